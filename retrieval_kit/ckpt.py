@@ -1,0 +1,178 @@
+"""Checkpoints (save / load in the explicit resume order) and export of a loadable HF model dir.
+
+A checkpoint is one folder per step, `step_000100/`:
+    model.safetensors   weights of the unwrapped model (no `module.` / `_orig_mod.` prefixes)
+    optimizer.pt        optimizer state_dict   (loaded with weights_only=True)
+    scheduler.pt        LR scheduler state_dict
+    rng_rank{r}.pt      per-rank RNG states
+    meta.json           step, loop state, args, versions; written last inside the folder
+It is written into `.tmp_step_000100/` and renamed when complete; `latest` names the newest
+complete one. A folder without `meta.json` is never loaded.
+
+Resume order (see precision.py for why): load_model_weights -> cast model to the storage dtype
+-> build optimizer, load_optimizer -> load_scheduler -> loop state from meta.json.
+"""
+
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_model, save_model
+
+from .dist import unwrap
+
+SETTINGS_FILE = "retrieval_kit.json"
+
+
+def _barrier():
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def strip_prefixes(state_dict):
+    """Drop wrapper prefixes (`module.`, `_orig_mod.`) so saved keys never depend on the wrapper."""
+    out = {}
+    for k, v in state_dict.items():
+        while k.startswith(("module.", "_orig_mod.")):
+            k = k.split(".", 1)[1]
+        out[k.replace("._orig_mod.", ".").replace("._checkpoint_wrapped_module.", ".")] = v
+    return out
+
+
+def rng_state():
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+             "torch": torch.get_rng_state()}  # tensors and plain types only: loads with weights_only=True
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _fsync_dir(path):
+    for name in os.listdir(path):
+        with open(os.path.join(path, name), "rb") as f:
+            os.fsync(f.fileno())
+
+
+def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args=None):
+    """Write `run_dir/step_{step:06d}/` atomically from all ranks (collective). Returns the path."""
+    name = f"step_{step:06d}"
+    final, tmp = os.path.join(run_dir, name), os.path.join(run_dir, f".tmp_{name}")
+    rank = _rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    if rank == 0:
+        save_model(unwrap(model), os.path.join(tmp, "model.safetensors"))
+        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
+    _barrier()
+    if rank == 0:
+        import transformers
+
+        meta = {"step": step, "loop": loop_state, "args": args, "world_size": dist.get_world_size()
+                if dist.is_initialized() else 1, "torch": torch.__version__,
+                "transformers": transformers.__version__, "complete": True}
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=2, default=str)
+        _fsync_dir(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        with open(os.path.join(run_dir, "latest.tmp"), "w") as f:
+            f.write(name + "\n")
+        os.replace(os.path.join(run_dir, "latest.tmp"), os.path.join(run_dir, "latest"))
+    _barrier()
+    return final
+
+
+def is_complete(path):
+    return os.path.isfile(os.path.join(path, "meta.json"))
+
+
+def find_latest(run_dir):
+    """Newest complete `step_*` folder in run_dir, or None."""
+    if not os.path.isdir(run_dir):
+        return None
+    steps = sorted(d for d in os.listdir(run_dir) if d.startswith("step_"))
+    for d in reversed(steps):
+        if is_complete(os.path.join(run_dir, d)):
+            return os.path.join(run_dir, d)
+    return None
+
+
+def resolve_resume(resume, run_dir):
+    """--resume none|auto|PATH -> a checkpoint folder or None."""
+    if resume in (None, "", "none"):
+        return None
+    if resume == "auto":
+        return find_latest(run_dir)
+    if not is_complete(resume):
+        raise SystemExit(f"--resume {resume}: not a complete checkpoint folder (no meta.json)")
+    return resume
+
+
+def load_model_weights(model, ckpt_dir):
+    """Step 1 of resume: weights into the (unwrapped) model, cast to the model's current dtypes."""
+    missing, unexpected = load_model(unwrap(model), os.path.join(ckpt_dir, "model.safetensors"), strict=True)
+    return missing, unexpected
+
+
+def load_optimizer(optimizer, ckpt_dir):
+    """Step 3 of resume (after casting the model): state is cast to each param's dtype by torch."""
+    optimizer.load_state_dict(torch.load(os.path.join(ckpt_dir, "optimizer.pt"), weights_only=True))
+
+
+def load_scheduler(scheduler, ckpt_dir):
+    scheduler.load_state_dict(torch.load(os.path.join(ckpt_dir, "scheduler.pt"), weights_only=True))
+
+
+def load_meta(ckpt_dir):
+    with open(os.path.join(ckpt_dir, "meta.json")) as f:
+        return json.load(f)
+
+
+def load_rng(ckpt_dir, rank):
+    path = os.path.join(ckpt_dir, f"rng_rank{rank}.pt")
+    if os.path.isfile(path):
+        set_rng_state(torch.load(path, weights_only=True))
+
+
+def export_model(out_dir, model, tokenizer, settings):
+    """Save a dir that AutoModel / AutoTokenizer.from_pretrained load, plus our settings beside it
+    (pooling, normalization, prefixes, max lengths, template) so evaluation tokenizes as training did."""
+    if _rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        unwrap(model).save_pretrained(out_dir, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
+        with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
+            json.dump(settings, f, indent=2)
+    _barrier()
+    return out_dir
+
+
+def load_settings(model_dir):
+    """The retrieval_kit settings saved beside an exported model ({} for a plain HF dir)."""
+    path = os.path.join(model_dir, SETTINGS_FILE)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,185 @@
+"""Read and validate training JSONL; sample groups; shard batches over ranks.
+
+A record is one JSON object per line:
+    {"query": "...", "pos_doc": ["..."], "neg_doc": ["...", "..."]}
+`question` is accepted for `query`, `pos` for `pos_doc`, `neg` for `neg_doc`.
+A doc is a string or {"id": ..., "text": "..."}.
+
+Every bad line is reported as `file:line: problem`, all of them at once, before training starts.
+"""
+
+import json
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+FIELD_ALIASES = {"query": ("query", "question"), "pos": ("pos_doc", "pos"), "neg": ("neg_doc", "neg")}
+
+
+class DataError(ValueError):
+    """Raised with one `file:line: problem` per bad line."""
+
+
+@dataclass
+class Record:
+    query: str
+    pos: list
+    neg: list = field(default_factory=list)
+    where: str = ""  # "file:line", for messages
+
+
+def _doc_text(doc, where, fld, i, problems):
+    if isinstance(doc, str):
+        if not doc.strip():
+            problems.append(f"{where}: {fld}[{i}] is an empty string")
+            return None
+        return doc
+    if isinstance(doc, dict):
+        text = doc.get("text")
+        if not isinstance(text, str) or not text.strip():
+            problems.append(f"{where}: {fld}[{i}] is an object without a non-empty string 'text'")
+            return None
+        return text
+    problems.append(f"{where}: {fld}[{i}] must be a string or an object with 'text', got {type(doc).__name__}")
+    return None
+
+
+def _pick(obj, key, where, problems):
+    """Return (field name used, value) for one of the aliases of `key`; report clashes."""
+    names = [n for n in FIELD_ALIASES[key] if n in obj]
+    if len(names) > 1:
+        problems.append(f"{where}: both {names[0]!r} and {names[1]!r} given; use one")
+        return names[0], None
+    if not names:
+        return FIELD_ALIASES[key][0], None
+    return names[0], obj[names[0]]
+
+
+def parse_line(line, where, problems):
+    """Parse one JSONL line into a Record, appending any problems; returns None if the line is bad."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        problems.append(f"{where}: invalid JSON ({e.msg} at column {e.colno})")
+        return None
+    if not isinstance(obj, dict):
+        problems.append(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        return None
+    n_before = len(problems)
+    qname, query = _pick(obj, "query", where, problems)
+    if query is None and len(problems) == n_before:
+        problems.append(f"{where}: missing field 'query' (or 'question')")
+    elif query is not None and (not isinstance(query, str) or not query.strip()):
+        problems.append(f"{where}: field {qname!r} must be a non-empty string")
+    docs = {}
+    for key, required in (("pos", True), ("neg", False)):
+        name, value = _pick(obj, key, where, problems)
+        if value is None:
+            if required and not any(n in obj for n in FIELD_ALIASES[key]):
+                problems.append(f"{where}: missing field 'pos_doc' (or 'pos')")
+            docs[key] = []
+            continue
+        if isinstance(value, (str, dict)):
+            value = [value]
+        if not isinstance(value, list):
+            problems.append(f"{where}: field {name!r} must be a list of docs, got {type(value).__name__}")
+            docs[key] = []
+            continue
+        if required and not value:
+            problems.append(f"{where}: field {name!r} is empty; a record needs at least one positive")
+        docs[key] = [_doc_text(d, where, name, i, problems) for i, d in enumerate(value)]
+    if len(problems) > n_before:
+        return None
+    return Record(query=query, pos=docs["pos"], neg=docs["neg"], where=where)
+
+
+def format_problems(problems, limit=50):
+    shown = problems[:limit]
+    more = f"\n... and {len(problems) - limit} more" if len(problems) > limit else ""
+    return "\n".join(shown) + more
+
+
+def read_records(path, n_passages=None):
+    """Read and validate a training JSONL file. Raises DataError listing every bad line.
+
+    With `n_passages`, also checks each record can form a group of 1 positive + (n_passages - 1)
+    negatives; returns (records, warnings) where warnings say which pools are too small (those
+    groups sample negatives with replacement).
+    """
+    records, problems = [], []
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"{path}: cannot open ({e.strerror})") from None
+    with f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            rec = parse_line(line, f"{path}:{lineno}", problems)
+            if rec is not None:
+                records.append(rec)
+    if not records and not problems:
+        problems.append(f"{path}: no records (the file is empty)")
+    warnings = []
+    if n_passages is not None and n_passages > 1:
+        need = n_passages - 1
+        short = [r for r in records if 0 < len(r.neg) < need]
+        for r in records:
+            if not r.neg:
+                problems.append(f"{r.where}: no negatives, but --n-passages {n_passages} needs {need} per group")
+        if short:
+            warnings.append(
+                f"{len(short)} record(s) have fewer than {need} negatives (first: {short[0].where}); "
+                "their negatives are sampled with replacement")
+    if problems:
+        raise DataError(f"{len(problems)} problem(s) in {path}:\n" + format_problems(problems))
+    return records, warnings
+
+
+def group_rng(seed, epoch, index):
+    """A per-record RNG: the group sampled for record `index` in `epoch` depends on nothing else,
+    so any rank count and any resume point sees the same groups."""
+    return random.Random(f"{seed}-{epoch}-{index}")
+
+
+def sample_group(record, n_passages, rng):
+    """Return [positive, negative_1, ..., negative_{n_passages-1}] for one record."""
+    pos = rng.choice(record.pos)
+    need = n_passages - 1
+    if need == 0:
+        return [pos]
+    if len(record.neg) >= need:
+        negs = rng.sample(record.neg, need)
+    else:
+        negs = rng.choices(record.neg, k=need)  # pool too small: with replacement (warned at load)
+    return [pos] + negs
+
+
+def fixed_group(record, n_passages):
+    """Deterministic group for validation: first positive, first negatives (cycled if too few)."""
+    negs = [record.neg[i % len(record.neg)] for i in range(n_passages - 1)] if record.neg else []
+    return [record.pos[0]] + negs
+
+
+def epoch_order(n_records, seed, epoch):
+    """Permutation of record indices for one epoch (same on every rank)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n_records, generator=g).tolist()
+
+
+def steps_per_epoch(n_records, batch_size, world_size):
+    """Full global batches per epoch (the ragged tail is dropped so every rank has equal work)."""
+    return n_records // (batch_size * world_size)
+
+
+def rank_batch(order, step_in_epoch, batch_size, rank, world_size):
+    """Indices of this rank's share of global batch `step_in_epoch` of an epoch's `order`."""
+    start = (step_in_epoch * world_size + rank) * batch_size
+    return order[start:start + batch_size]
+
+
+def shard(items, rank, world_size):
+    """Contiguous, near-equal shard of a list for evaluation (every item lands on exactly one rank)."""
+    per = -(-len(items) // world_size)
+    return items[rank * per:(rank + 1) * per]

@@ -1,0 +1,77 @@
+"""Run header, tqdm bar, tensorboard scalars and a metrics JSONL (all on rank 0)."""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+
+def git_hash(path=None):
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path or os.path.dirname(os.path.abspath(__file__)),
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_header(args, world_size, device):
+    """What a log needs to reproduce its run: argv, args, git hash, versions, world size, device."""
+    import transformers
+
+    return {
+        "argv": sys.argv, "args": vars(args) if args is not None else None, "git": git_hash(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "world_size": world_size, "device": str(device),
+        "threads": torch.get_num_threads(),
+    }
+
+
+class Logger:
+    """Writes scalars to tensorboard and metrics.jsonl and shows a tqdm bar; a no-op off rank 0."""
+
+    def __init__(self, out_dir, header, total_steps, initial_step=0, enabled=True, bar_keys=()):
+        self.enabled = enabled
+        self.bar_keys = bar_keys
+        self.writer = self.jsonl = self.bar = None
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "run_header.json"), "w") as f:
+            json.dump(header, f, indent=2, default=str)
+        self.writer = SummaryWriter(os.path.join(out_dir, "tb"))
+        self.writer.add_text("run_header", "```\n" + json.dumps(header, indent=2, default=str) + "\n```")
+        self.jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a")
+        self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True)
+
+    def log(self, step, scalars, prefix="train"):
+        if not self.enabled:
+            return
+        for k, v in scalars.items():
+            self.writer.add_scalar(f"{prefix}/{k}", v, step)
+        self.jsonl.write(json.dumps({"step": step, "split": prefix, **scalars}) + "\n")
+        self.jsonl.flush()
+        if prefix == "train":
+            self.bar.set_postfix({k: f"{scalars[k]:.4g}" for k in self.bar_keys if k in scalars}, refresh=False)
+
+    def advance(self, n=1):
+        if self.enabled:
+            self.bar.update(n)
+
+    def write(self, msg):
+        if self.enabled:
+            self.bar.write(msg)
+
+    def close(self):
+        if self.enabled:
+            self.bar.close()
+            self.writer.close()
+            self.jsonl.close()

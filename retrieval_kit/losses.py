@@ -1,0 +1,31 @@
+"""Contrastive (InfoNCE) loss for bi-encoders.
+
+Layout: q is (B, H); p is (B * n_passages, H) query-major, so the positive of query i is row
+i * n_passages and rows i * n_passages + 1 .. are its hard negatives. With in-batch negatives
+every query is scored against every passage in p (its own group plus everyone else's); without,
+only against its own group.
+
+When p holds passages gathered from all ranks, this rank's queries start at global query index
+`rank * B`: pass `label_offset = rank * B * n_passages`.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def contrastive_scores(q, p, n_passages, in_batch=True):
+    """Similarity logits: (B, P) with in-batch negatives, (B, n_passages) without."""
+    if in_batch:
+        return q @ p.T  # (B, P)
+    groups = p.view(q.shape[0], n_passages, -1)  # (B, n, H)
+    return torch.einsum("bh,bnh->bn", q, groups)  # (B, n)
+
+
+def contrastive_loss(q, p, n_passages, temperature=0.05, in_batch=True, label_offset=0):
+    """Mean InfoNCE over the B queries in q; see the module docstring for the layout."""
+    scores = contrastive_scores(q, p, n_passages, in_batch) / temperature
+    if in_batch:
+        labels = torch.arange(q.shape[0], device=q.device) * n_passages + label_offset
+    else:
+        labels = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
+    return F.cross_entropy(scores.float(), labels)

@@ -1,0 +1,71 @@
+"""Storage dtype, compute dtype (autocast) and optimizer-state dtype checks.
+
+The contract:
+- Full-parameter training with torch.optim keeps master weights fp32 by default. Compute may be
+  lower precision through autocast (`--autocast-dtype bf16`).
+- An explicit storage dtype from the user (`--torch-dtype bf16`) wins.
+- `--force-fp32-params` pins params (and so AdamW moments) to fp32, whatever the load dtype.
+- Adam moments take the dtype of the params they are created from or loaded into
+  (`Optimizer.load_state_dict` casts state to the param dtype), so on resume the model must be
+  cast to the storage dtype *before* the optimizer state is loaded.
+"""
+
+import contextlib
+
+import torch
+
+DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+}
+
+
+def parse_dtype(name):
+    """'bf16' -> torch.bfloat16; None, '', 'none' and 'auto' -> None."""
+    if name is None or name in ("", "none", "auto"):
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def resolve_storage_dtype(torch_dtype=None, force_fp32_params=False):
+    """The dtype params are stored (and AdamW moments kept) in.
+
+    fp32 unless the user asks otherwise; `force_fp32_params` overrides and conflicts with an
+    explicit non-fp32 `torch_dtype`.
+    """
+    explicit = parse_dtype(torch_dtype)
+    if force_fp32_params:
+        if explicit not in (None, torch.float32):
+            raise ValueError(f"--force-fp32-params conflicts with --torch-dtype {torch_dtype}")
+        return torch.float32
+    return explicit or torch.float32
+
+
+def autocast(device_type, dtype):
+    """autocast to `dtype` on `device_type`, or a no-op context when dtype is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def optimizer_state_dtypes(optimizer):
+    """{(param dtype, state dtype)} over the floating tensor state of every param (step excluded)."""
+    pairs = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for name, value in optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value) and value.is_floating_point() and name != "step":
+                    pairs.add((p.dtype, value.dtype))
+    return pairs
+
+
+def check_optimizer_state_dtype(optimizer):
+    """Fail loudly if any fp32 param has non-fp32 moments (the wrong-resume-order bug)."""
+    bad = sorted({str(s) for p, s in optimizer_state_dtypes(optimizer) if p == torch.float32 and s != p})
+    if bad:
+        raise RuntimeError(
+            f"optimizer state is {', '.join(bad)} for fp32 params: the state was loaded into "
+            "low-precision params. Resume in the order model -> cast to storage dtype -> optimizer.")

@@ -1,0 +1,99 @@
+import json
+import random
+
+import pytest
+
+from retrieval_kit import data
+
+
+def write(tmp_path, lines, name="d.jsonl"):
+    p = tmp_path / name
+    p.write_text("\n".join(lines) + "\n")
+    return str(p)
+
+
+def test_aliases_and_doc_objects(tmp_path):
+    path = write(tmp_path, [
+        json.dumps({"query": "q1", "pos_doc": ["p1"], "neg_doc": ["n1", {"id": 7, "text": "n2"}]}),
+        json.dumps({"question": "q2", "pos": [{"text": "p2"}], "neg": ["n3"]}),
+    ])
+    recs, warnings = data.read_records(path)
+    assert [(r.query, r.pos, r.neg) for r in recs] == [("q1", ["p1"], ["n1", "n2"]), ("q2", ["p2"], ["n3"])]
+    assert recs[1].where == f"{path}:2"
+    assert warnings == []
+
+
+def test_every_bad_line_reported_with_file_and_line(tmp_path):
+    good = json.dumps({"query": "q", "pos_doc": ["p"], "neg_doc": ["n"]})
+    path = write(tmp_path, [
+        good,
+        "{not json",
+        json.dumps(["a", "list"]),
+        json.dumps({"pos_doc": ["p"]}),
+        json.dumps({"query": "  ", "pos_doc": ["p"]}),
+        json.dumps({"query": "q", "pos_doc": []}),
+        json.dumps({"query": "q", "pos_doc": [3]}),
+        json.dumps({"query": "q", "question": "q", "pos_doc": ["p"]}),
+        json.dumps({"query": "q", "pos_doc": ["p"], "neg_doc": [{"id": 1}]}),
+        json.dumps({"query": "q"}),
+    ])
+    with pytest.raises(data.DataError) as e:
+        data.read_records(path)
+    msg = str(e.value)
+    expected = {2: "invalid JSON", 3: "expected a JSON object", 4: "missing field 'query'",
+                5: "must be a non-empty string", 6: "at least one positive", 7: "pos_doc[0] must be a string",
+                8: "both 'query' and 'question'", 9: "neg_doc[0] is an object without", 10: "missing field 'pos_doc'"}
+    for line, text in expected.items():
+        hits = [m for m in msg.splitlines() if m.startswith(f"{path}:{line}: ")]
+        assert hits, f"line {line} not reported:\n{msg}"
+        assert any(text in h for h in hits), (line, hits)
+    assert f"{path}:1:" not in msg
+
+
+def test_missing_file_and_empty_file(tmp_path):
+    with pytest.raises(data.DataError, match="cannot open"):
+        data.read_records(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(data.DataError, match="empty"):
+        data.read_records(write(tmp_path, [""]))
+
+
+def test_negatives_needed_for_groups(tmp_path):
+    path = write(tmp_path, [
+        json.dumps({"query": "q", "pos_doc": ["p"], "neg_doc": ["n"]}),
+        json.dumps({"query": "q", "pos_doc": ["p"]}),
+    ])
+    with pytest.raises(data.DataError, match=rf"{path}:2: no negatives, but --n-passages 3"):
+        data.read_records(path, n_passages=3)
+    recs, warnings = data.read_records(write(tmp_path, [json.dumps({"query": "q", "pos_doc": ["p"], "neg_doc": ["n"]})],
+                                             "ok.jsonl"), n_passages=3)
+    assert len(warnings) == 1 and "with replacement" in warnings[0] and "ok.jsonl:1" in warnings[0]
+
+
+def test_sample_group_without_then_with_replacement():
+    rec = data.Record("q", ["p"], ["a", "b", "c", "d"])
+    for seed in range(20):
+        g = data.sample_group(rec, 4, random.Random(seed))
+        assert g[0] == "p" and len(set(g[1:])) == 3 and set(g[1:]) <= set(rec.neg)
+    small = data.Record("q", ["p"], ["a"])
+    assert data.sample_group(small, 3, random.Random(0)) == ["p", "a", "a"]
+
+
+def test_negatives_resampled_each_epoch():
+    rec = data.Record("q", ["p"], [f"n{i}" for i in range(10)])
+    draws = {tuple(data.sample_group(rec, 3, data.group_rng(1, epoch, 5))) for epoch in range(10)}
+    assert len(draws) > 1
+    assert data.sample_group(rec, 3, data.group_rng(1, 2, 5)) == data.sample_group(rec, 3, data.group_rng(1, 2, 5))
+
+
+def test_rank_batches_partition_the_global_batch():
+    order = data.epoch_order(100, seed=3, epoch=0)
+    assert sorted(order) == list(range(100))
+    assert order != data.epoch_order(100, seed=3, epoch=1)
+    for step in range(data.steps_per_epoch(100, 4, 3)):
+        parts = [data.rank_batch(order, step, 4, r, 3) for r in range(3)]
+        assert sum(parts, []) == data.rank_batch(order, step, 12, 0, 1)  # world 1, same global batch
+
+
+def test_shard_covers_everything_once():
+    items = list(range(11))
+    assert sum((data.shard(items, r, 3) for r in range(3)), []) == items

