@@ -36,6 +36,7 @@ def parse_args(argv=None):
     g.add_argument("--val-file", default=os.path.join(HERE, "data", "val.jsonl"),
                    help="held-out JSONL for validation ('' to skip)")
     g.add_argument("--val-max-groups", type=int, default=0, help="validate on the first N groups (0 = all)")
+    g.add_argument("--val-n-passages", type=int, default=4, help="passages per validation group (1 positive + N-1 negatives)")
     g.add_argument("--n-passages", type=int, default=2, help="passages per group: 1 positive + N-1 hard negatives")
     g.add_argument("--batch-size", type=int, default=16, help="queries per rank per micro-batch")
     g.add_argument("--query-max-length", type=int, default=32, help="tokens per query (truncated beyond)")
@@ -97,18 +98,18 @@ def parse_args(argv=None):
 def validate(model, tokenizer, records, args, ctx, autocast_dtype):
     """Group loss (own group only, so it does not depend on batch size or world size), acc@1, MRR."""
     model.eval()
-    mine = data.shard(records, ctx.rank, ctx.world_size)
+    mine, n = data.shard(records, ctx.rank, ctx.world_size), args.val_n_passages
     loss_sum, acc_sum, rr_sum, count = 0.0, 0.0, 0.0, 0.0
     for s in range(0, len(mine), args.val_batch_size):
         recs = mine[s:s + args.val_batch_size]
-        groups = [data.fixed_group(r, args.n_passages) for r in recs]
+        groups = [data.fixed_group(r, n) for r in recs]
         q_batch, p_batch = collate_biencoder(
             tokenizer, [r.query for r in recs], groups, args.query_max_length, args.passage_max_length,
             args.query_prefix, args.passage_prefix, args.pad_to_multiple_of)
         with precision.autocast(ctx.device.type, autocast_dtype):
             q, p = model(q_batch.to(ctx.device), p_batch.to(ctx.device))
-        scores = contrastive_scores(q.float(), p.float(), args.n_passages, in_batch=False)  # (b, n)
-        loss_sum += contrastive_loss(q, p, args.n_passages, args.temperature, in_batch=False).item() * len(recs)
+        scores = contrastive_scores(q.float(), p.float(), n, in_batch=False)  # (b, n)
+        loss_sum += contrastive_loss(q, p, n, args.temperature, in_batch=False).item() * len(recs)
         a, r, c = group_metric_sums(scores)
         acc_sum, rr_sum, count = acc_sum + a, rr_sum + r, count + c
     loss_sum, acc_sum, rr_sum, count = dist.all_reduce_sum([loss_sum, acc_sum, rr_sum, count])
@@ -127,7 +128,7 @@ def main():
 
     # ----- data: read and validate everything before any model is loaded -----------------------
     records, warnings = data.read_records(args.train_file, args.n_passages)
-    val_records = data.read_records(args.val_file, args.n_passages)[0] if args.val_file else []
+    val_records = data.read_records(args.val_file, args.val_n_passages)[0] if args.val_file else []
     if args.val_max_groups:
         val_records = val_records[:args.val_max_groups]
     for w in warnings:

@@ -3,7 +3,7 @@
 For each query, candidates are ranked by score; the query's positives are removed, then
   - the first `skip_top` remaining candidates are skipped (they are often unlabelled positives),
   - candidates scoring above `max_score_ratio` x the best positive's score are dropped
-    (likely false negatives), and so are exact text duplicates of a positive,
+    (likely false negatives; None turns this off), and so are exact text duplicates of a positive,
 and up to `k` of the rest are kept, best first.
 """
 
@@ -26,7 +26,7 @@ def mine_hard_negatives(q_emb, p_emb, positives, k, skip_top=0, max_score_ratio=
             i = s + row
             pos = set(positives[i])
             pos_texts = {p_texts[j] for j in pos} if p_texts is not None else set()
-            limit = max_score_ratio * max(scores[row, j].item() for j in pos)
+            limit = float("inf") if max_score_ratio is None else max_score_ratio * max(scores[row, j].item() for j in pos)
             negs, seen = [], 0
             for score, j in zip(top_scores[row].tolist(), top_idx[row].tolist()):
                 if j in pos:

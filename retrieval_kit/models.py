@@ -29,6 +29,9 @@ def load_encoder(path, dtype=torch.float32, trust_remote_code=False):
     model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     if dtype is not None and any(p.dtype != dtype for p in model.parameters()):
         model.to(dtype)  # some configs pin a dtype; the resolved storage dtype wins
+    if getattr(model, "pooler", None) is not None:
+        # BERT-style pooler head: our pooling replaces it, and params that get no grad would stall DDP
+        model.pooler.requires_grad_(False)
     return model
 
 

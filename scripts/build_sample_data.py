@@ -76,6 +76,9 @@ def main():
     ap.add_argument("--skip-top", type=int, default=0, help="skip this many top-ranked non-positives")
     ap.add_argument("--max-score-ratio", type=float, default=0.95,
                     help="drop candidates scoring above this fraction of the positive's score")
+    ap.add_argument("--val-max-score-ratio", type=float, default=None,
+                    help="the same filter for the val split (default off: a filter relative to the base "
+                         "model's own scores would hand the base model a perfect validation score)")
     ap.add_argument("--depth", type=int, default=300, help="candidates considered per query")
     ap.add_argument("--max-chars", type=int, default=500, help="cut passages at this many characters")
     ap.add_argument("--max-length", type=int, default=128, help="tokens per passage when mining")
@@ -107,16 +110,21 @@ def main():
         sys.exit(f"only {len(items)} usable pairs, need {need}")
     train_val, eval_pool = items[:n_tv], items[n_tv:need]
 
-    # ----- mine hard negatives for train/val within their own pool -----------------------------
+    # ----- mine hard negatives: train from train passages only (val passages stay unseen),
+    # val from all of them -----------------------------
     model_dir = args.model or default_model_dir()
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = load_encoder(model_dir, torch.float32)
     texts = [it["text"] for it in train_val]
     p_emb = encode_texts(model, tok, texts, args.max_length, progress=True, desc="passages")
     q_emb = encode_texts(model, tok, [it["query"] for it in train_val], 32, progress=True, desc="queries")
-    negs = mine_hard_negatives(q_emb, p_emb, [[i] for i in range(len(texts))], k=args.n_negatives,
-                               skip_top=args.skip_top, max_score_ratio=args.max_score_ratio, p_texts=texts,
+    positives = [[i] for i in range(len(texts))]
+    negs = mine_hard_negatives(q_emb[:args.n_train], p_emb[:args.n_train], positives[:args.n_train], k=args.n_negatives,
+                               skip_top=args.skip_top, max_score_ratio=args.max_score_ratio, p_texts=texts[:args.n_train],
                                depth=args.depth)
+    negs += mine_hard_negatives(q_emb[args.n_train:], p_emb, positives[args.n_train:], k=args.n_negatives,
+                                skip_top=args.skip_top, max_score_ratio=args.val_max_score_ratio,
+                                p_texts=texts, depth=args.depth)
     os.makedirs(args.out, exist_ok=True)
     short, dropped, written = 0, 0, {}
     for name, lo, hi in (("train", 0, args.n_train), ("val", args.n_train, n_tv)):

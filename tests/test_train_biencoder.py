@@ -1,0 +1,106 @@
+"""End-to-end runs of train_biencoder.py on a tiny random model: world of 1 and 2 ranks under torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModel, AutoTokenizer
+
+from retrieval_kit import ckpt
+from retrieval_kit.encode import encode_texts
+from retrieval_kit.models import BiEncoder, load_encoder
+from tests.conftest import ROOT, read_jsonl
+
+
+def run_script(args, nproc=1, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
+    if nproc == 1:
+        cmd = [sys.executable, os.path.join(ROOT, "train_biencoder.py")]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               os.path.join(ROOT, "train_biencoder.py")]
+    out = subprocess.run(cmd + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
+
+
+def common_args(model_dir, train_file, out_dir):
+    return ["--model", model_dir, "--train-file", train_file,
+            "--val-file", os.path.join(ROOT, "data", "val.jsonl"), "--val-max-groups", "16",
+            "--batch-size", "8", "--passage-max-length", "48", "--output-dir", str(out_dir)]
+
+
+def test_short_run_loss_falls_and_leaves_a_complete_run_folder(tiny_model_dir, small_train_file, tmp_path):
+    out = tmp_path / "run"
+    run_script(common_args(tiny_model_dir, small_train_file, out) +
+               ["--max-steps", "24", "--lr", "1e-3", "--warmup-steps", "2", "--val-every", "12", "--ckpt-every", "12"])
+    rows = read_jsonl(out / "metrics.jsonl")
+    train = [r["loss"] for r in rows if r["split"] == "train"]
+    assert len(train) == 24
+    assert sum(train[-6:]) / 6 < 0.7 * sum(train[:6]) / 6, train
+    val = [r for r in rows if r["split"] == "val"]
+    assert [r["step"] for r in val] == [0, 12, 24]
+    assert all(0 <= r["mrr"] <= 1 and 0 <= r["acc@1"] <= r["mrr"] for r in val)
+    for key in ("loss_avg_window", "lr", "grad_norm", "samples_per_s", "tokens_per_s"):
+        assert key in rows[1]
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(out / "tb"))
+    header = json.loads((out / "run_header.json").read_text())
+    assert header["world_size"] == 1 and header["argv"][0].endswith("train_biencoder.py")
+    assert (out / "latest").read_text().strip() == "step_000024"
+    hf_keys = set(AutoModel.from_pretrained(tiny_model_dir).state_dict())
+    for step in ("step_000012", "step_000024"):
+        assert set(load_file(str(out / step / "model.safetensors"))) == hf_keys  # no wrapper prefixes
+    settings = ckpt.load_settings(str(out / "final"))
+    assert settings["pooling"] == "avg" and settings["normalize"] is True
+    assert settings["passage_max_length"] == 48
+    AutoModel.from_pretrained(out / "final")  # loads as a plain HF model
+
+
+def test_two_ranks_under_torchrun(tiny_model_dir, small_train_file, tmp_path):
+    out = tmp_path / "run2"
+    run_script(common_args(tiny_model_dir, small_train_file, out) +
+               ["--max-steps", "3", "--val-every", "3", "--ckpt-every", "3"], nproc=2)
+    header = json.loads((out / "run_header.json").read_text())
+    assert header["world_size"] == 2 and header["gather_negatives"] is True
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2, 3]
+    # with gathered negatives each query sees 2 ranks x 8 queries x 2 passages
+    assert os.path.isfile(out / "step_000003" / "rng_rank1.pt")
+    AutoModel.from_pretrained(out / "final")
+
+
+def test_bad_data_is_reported_before_training(tiny_model_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"query": "q", "pos_doc": ["p"], "neg_doc": ["n"]}\n{"query": 5, "pos_doc": ["p"]}\n')
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train_biencoder.py"), "--model", tiny_model_dir,
+                          "--train-file", str(bad), "--output-dir", str(tmp_path / "r")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"{bad}:2: field 'query' must be a non-empty string" in out.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_exported_model_reloads_to_the_same_embeddings(tiny_model_dir, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    enc = load_encoder(tiny_model_dir)
+    model = BiEncoder(enc, "avg", True)
+    opt = torch.optim.AdamW([p for p in enc.parameters() if p.requires_grad], lr=1e-2)
+    from retrieval_kit.collate import collate_biencoder
+    from retrieval_kit.losses import contrastive_loss
+    q, p = collate_biencoder(tok, ["alpha", "beta"], [["a text", "b text"], ["c text", "d text"]], 16, 16)
+    qr, pr = model(q, p)
+    contrastive_loss(qr, pr, 2).backward()
+    opt.step()  # weights now differ from the random init
+    out = ckpt.export_model(str(tmp_path / "final"), enc, tok, {"pooling": "avg", "normalize": True})
+    texts = ["a query about disks", "package manager for python", "x"]
+    before = encode_texts(enc, tok, texts, 32)
+    settings = ckpt.load_settings(out)
+    reloaded = AutoModel.from_pretrained(out)
+    after = encode_texts(reloaded, AutoTokenizer.from_pretrained(out), texts, 32,
+                         pooling=settings["pooling"], normalize=settings["normalize"])
+    assert torch.allclose(before, after, atol=1e-6)
+    assert not torch.allclose(before, encode_texts(load_encoder(tiny_model_dir), tok, texts, 32), atol=1e-4)
