@@ -60,27 +60,8 @@ def parse_args(argv=None):
     g.add_argument("--gather-negatives", action=argparse.BooleanOptionalAction, default=None,
                    help="use passages from all ranks as negatives (default: on when world > 1)")
 
-    g = p.add_argument_group("optimization")
-    g.add_argument("--max-steps", type=int, default=60, help="optimizer steps")
-    g.add_argument("--grad-accum-steps", type=int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--lr", type=float, default=5e-5, help="peak learning rate")
-    g.add_argument("--lr-schedule", choices=("linear", "cosine", "constant"), default="linear", help="decay after warmup")
-    g.add_argument("--warmup-steps", type=int, default=6, help="linear warmup steps")
-    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (not on biases and norms)")
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global grad norm (0 = off)")
-    g.add_argument("--seed", type=int, default=42)
-
-    g = p.add_argument_group("precision")
-    g.add_argument("--torch-dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
-                   help="storage dtype of params and AdamW state (auto = fp32 master weights)")
-    g.add_argument("--force-fp32-params", action="store_true",
-                   help="params and AdamW moments fp32 whatever the load or checkpoint dtype")
-    g.add_argument("--autocast-dtype", choices=("none", "bf16", "fp16"), default="none",
-                   help="compute dtype under torch.autocast (default none: compute in the storage dtype)")
-
+    optim.add_optim_args(p, lr=5e-5, max_steps=60, warmup_steps=6)
+    precision.add_precision_args(p)
     dist.add_ddp_args(p)
 
     g = p.add_argument_group("run")

@@ -183,3 +183,8 @@ def shard(items, rank, world_size):
     """Contiguous, near-equal shard of a list for evaluation (every item lands on exactly one rank)."""
     per = -(-len(items) // world_size)
     return items[rank * per:(rank + 1) * per]
+
+
+def group_to_pairs(query, group):
+    """Flatten one group to (query, passage) pairs for a cross-encoder, positive first."""
+    return [(query, p) for p in group]

@@ -29,3 +29,16 @@ def contrastive_loss(q, p, n_passages, temperature=0.05, in_batch=True, label_of
     else:
         labels = torch.zeros(q.shape[0], dtype=torch.long, device=q.device)
     return F.cross_entropy(scores.float(), labels)
+
+
+def listwise_loss(logits, n_passages):
+    """Cross-entropy over each group's logits, the positive at column 0.
+
+    `logits` is (n_pairs,) or (n_pairs, 1), query-major; n_queries = n_pairs // n_passages comes
+    from the batch itself, so any batch size and any n_passages give the right shapes.
+    """
+    logits = logits.reshape(-1)
+    if logits.numel() % n_passages:
+        raise ValueError(f"{logits.numel()} pairs do not split into groups of {n_passages}")
+    scores = logits.view(-1, n_passages).float()  # (n_queries, n_passages)
+    return F.cross_entropy(scores, torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device))

@@ -75,3 +75,87 @@ class BiEncoder(torch.nn.Module):
         q = encode(self.encoder, q_batch, self.pooling, self.normalize) if q_batch is not None else None
         p = encode(self.encoder, p_batch, self.pooling, self.normalize) if p_batch is not None else None
         return q, p
+
+
+# ----- cross-encoders --------------------------------------------------------------------------
+
+RERANK_POOLING = ("native", "last", "avg", "cls")
+
+
+def setup_pad_token(tokenizer, model=None):
+    """Decoders often ship without a pad token: reuse EOS (or UNK), and tell the model config."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token if tokenizer.eos_token is not None else tokenizer.unk_token
+        if tokenizer.pad_token is None:
+            raise ValueError("the tokenizer has no pad, eos or unk token to pad with")
+    if model is not None and getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return tokenizer
+
+
+def make_bidirectional(model):
+    """Drop the causal mask of a decoder so every token attends to every other (non-pad) token.
+
+    Transformers builds a bidirectional mask when `config.is_causal` is False; each attention
+    module's `is_causal` must go too, or SDPA applies causality itself when no mask is passed.
+    """
+    configs = [model.config] + [getattr(model.config, k) for k in ("text_config",) if hasattr(model.config, k)]
+    for cfg in configs:
+        cfg.is_causal = False
+    n = 0
+    for m in model.modules():
+        if hasattr(m, "is_causal"):
+            m.is_causal = False
+            n += 1
+    if n == 0:
+        raise ValueError(f"{type(model).__name__}: found no attention module with `is_causal` to turn off")
+    return model
+
+
+def load_reranker(path, dtype=torch.float32, trust_remote_code=False):
+    """AutoModelForSequenceClassification with one logit; an encoder checkpoint gets a fresh head."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code)
+    if dtype is not None and any(p.dtype != dtype for p in model.parameters()):
+        model.to(dtype)
+    return model
+
+
+def rerank_head(model):
+    """The final linear layer of a *ForSequenceClassification model (`score` for decoders, `classifier` for BERT)."""
+    for name in ("score", "classifier"):
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Linear):
+            return head
+        if head is not None and isinstance(getattr(head, "out_proj", None), torch.nn.Linear):
+            return head.out_proj  # RoBERTa-style head: dense -> out_proj
+    raise ValueError(f"{type(model).__name__}: no `score` or `classifier` linear head found")
+
+
+class CrossEncoder(torch.nn.Module):
+    """A sequence-classification model scoring each (query, passage) pair with one logit.
+
+    pooling="native" uses the model's own head path (BERT: pooler -> classifier; decoders: the
+    last non-pad token). "last" / "avg" / "cls" pool the backbone's hidden states with the
+    attention mask (robust to left or right padding and to pad == eos) and apply the final
+    linear head. Save and export `.model`.
+    """
+
+    def __init__(self, model, pooling="native"):
+        super().__init__()
+        if pooling not in RERANK_POOLING:
+            raise ValueError(f"unknown pooling {pooling!r}; choose one of {RERANK_POOLING}")
+        self.model, self.pooling = model, pooling
+        if pooling != "native":
+            rerank_head(model)  # fail now, not at the first step
+            if getattr(model.base_model, "pooler", None) is not None:
+                model.base_model.pooler.requires_grad_(False)  # unused: would stall DDP
+
+    def forward(self, batch):
+        if self.pooling == "native":
+            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.view(-1)
+        hidden = self.model.base_model(input_ids=batch["input_ids"],
+                                       attention_mask=batch["attention_mask"]).last_hidden_state
+        return rerank_head(self.model)(pool(hidden, batch["attention_mask"], self.pooling)).view(-1)  # (n_pairs,)

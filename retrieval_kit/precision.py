@@ -69,3 +69,15 @@ def check_optimizer_state_dtype(optimizer):
         raise RuntimeError(
             f"optimizer state is {', '.join(bad)} for fp32 params: the state was loaded into "
             "low-precision params. Resume in the order model -> cast to storage dtype -> optimizer.")
+
+
+def add_precision_args(parser):
+    """The precision flags both scripts share."""
+    g = parser.add_argument_group("precision")
+    g.add_argument("--torch-dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                   help="storage dtype of params and AdamW state (auto = fp32 master weights)")
+    g.add_argument("--force-fp32-params", action="store_true",
+                   help="params and AdamW moments fp32, whatever the load or checkpoint dtype")
+    g.add_argument("--autocast-dtype", choices=("none", "bf16", "fp16"), default="none",
+                   help="compute dtype under torch.autocast (default none: compute in the storage dtype)")
+    return g

