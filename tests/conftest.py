@@ -56,3 +56,35 @@ def small_train_file(tmp_path_factory):
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+WORDS = ("the a of to and in is for with on by it this that package library tool files data "
+         "python server client manager graphical user interface command line documentation").split()
+
+
+@pytest.fixture(scope="session")
+def decoder_tokenizer():
+    """A small word-level tokenizer with BOS/EOS and no pad token, like many decoder checkpoints."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>"] + WORDS + [":", "question", "passage"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="session")
+def tiny_decoder_dir(tmp_path_factory, decoder_tokenizer):
+    """A tiny random Llama (2 layers) saved with a tokenizer that has no pad token."""
+    from transformers import LlamaConfig, LlamaModel
+
+    out = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(decoder_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    LlamaModel(cfg).save_pretrained(out)
+    decoder_tokenizer.save_pretrained(out)
+    return str(out)
