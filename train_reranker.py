@@ -50,13 +50,13 @@ def parse_args(argv=None):
 
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="HF model dir (default: the bundled all-MiniLM-L6-v2)")
-    g.add_argument("--pooling", choices=("native", "last", "avg", "cls"), default="native",
+    g.add_argument("--pooling", choices=("native", "last", "avg", "cls"), default="avg",
                    help="native = the model's own classification path; last/avg/cls pool hidden states "
                         "by the attention mask, then the linear head")
     g.add_argument("--bidirectional", action="store_true", help="drop a decoder's causal mask (attend both ways)")
     g.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dir")
 
-    optim.add_optim_args(p, lr=3e-5, max_steps=60, warmup_steps=6)
+    optim.add_optim_args(p, lr=2e-4, max_steps=60, warmup_steps=6)
     precision.add_precision_args(p)
     dist.add_ddp_args(p)
 

@@ -53,6 +53,22 @@ def small_train_file(tmp_path_factory):
     return str(out)
 
 
+def run_script(script, args, nproc=1, timeout=600):
+    """Run a training script as a user would: `python script` or `torchrun --nproc_per_node=N script`."""
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
+    path = os.path.join(ROOT, script)
+    if nproc == 1:
+        cmd = [sys.executable, path]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", path]
+    out = subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
+
+
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -12,19 +12,7 @@ from transformers import AutoModel, AutoTokenizer
 from retrieval_kit import ckpt
 from retrieval_kit.encode import encode_texts
 from retrieval_kit.models import BiEncoder, load_encoder
-from tests.conftest import ROOT, read_jsonl
-
-
-def run_script(args, nproc=1, timeout=300):
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
-    if nproc == 1:
-        cmd = [sys.executable, os.path.join(ROOT, "train_biencoder.py")]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               os.path.join(ROOT, "train_biencoder.py")]
-    out = subprocess.run(cmd + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    return out
+from tests.conftest import ROOT, read_jsonl, run_script
 
 
 def common_args(model_dir, train_file, out_dir):
@@ -35,7 +23,7 @@ def common_args(model_dir, train_file, out_dir):
 
 def test_short_run_loss_falls_and_leaves_a_complete_run_folder(tiny_model_dir, small_train_file, tmp_path):
     out = tmp_path / "run"
-    run_script(common_args(tiny_model_dir, small_train_file, out) +
+    run_script("train_biencoder.py", common_args(tiny_model_dir, small_train_file, out) +
                ["--max-steps", "24", "--lr", "1e-3", "--warmup-steps", "2", "--val-every", "12", "--ckpt-every", "12"])
     rows = read_jsonl(out / "metrics.jsonl")
     train = [r["loss"] for r in rows if r["split"] == "train"]
@@ -61,7 +49,7 @@ def test_short_run_loss_falls_and_leaves_a_complete_run_folder(tiny_model_dir, s
 
 def test_two_ranks_under_torchrun(tiny_model_dir, small_train_file, tmp_path):
     out = tmp_path / "run2"
-    run_script(common_args(tiny_model_dir, small_train_file, out) +
+    run_script("train_biencoder.py", common_args(tiny_model_dir, small_train_file, out) +
                ["--max-steps", "3", "--val-every", "3", "--ckpt-every", "3"], nproc=2)
     header = json.loads((out / "run_header.json").read_text())
     assert header["world_size"] == 2 and header["gather_negatives"] is True

@@ -1,0 +1,62 @@
+"""The resume order decides the AdamW moment dtype: model -> cast -> optimizer keeps them fp32."""
+
+import pytest
+import torch
+
+from retrieval_kit import ckpt, optim, precision
+from retrieval_kit.models import load_reranker
+
+
+def one_step(net, opt):
+    torch.manual_seed(0)
+    ids = torch.randint(5, 100, (4, 12))
+    loss = net(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def build(net):
+    opt = optim.build_optimizer(optim.param_groups(net, 0.01), lr=1e-3)
+    return opt, optim.build_scheduler(opt, 0, 10)
+
+
+def moment_dtypes(opt):
+    return {s for _, s in precision.optimizer_state_dtypes(opt)}
+
+
+@pytest.fixture
+def bf16_checkpoint(tiny_model_dir, tmp_path):
+    """A checkpoint written by a bf16 run: bf16 weights and bf16 AdamW moments."""
+    net = load_reranker(tiny_model_dir, torch.bfloat16)
+    opt, sched = build(net)
+    one_step(net, opt)
+    assert moment_dtypes(opt) == {torch.bfloat16}
+    return ckpt.save_checkpoint(str(tmp_path), 1, net, opt, sched, {})
+
+
+def test_kit_order_gives_fp32_moments(tiny_model_dir, bf16_checkpoint):
+    dtype = precision.resolve_storage_dtype("auto", force_fp32_params=True)
+    net = load_reranker(tiny_model_dir, dtype)        # 1. model in the storage dtype
+    ckpt.load_model_weights(net, bf16_checkpoint)     #    + weights
+    net.to(dtype)                                     # 2. cast
+    opt, sched = build(net)                           # 3. optimizer, then its state
+    ckpt.load_optimizer(opt, bf16_checkpoint)
+    ckpt.load_scheduler(sched, bf16_checkpoint)       # 4. scheduler
+    assert {p.dtype for p in net.parameters()} == {torch.float32}
+    assert moment_dtypes(opt) == {torch.float32}
+    precision.check_optimizer_state_dtype(opt)        # passes
+    one_step(net, opt)
+    assert moment_dtypes(opt) == {torch.float32}
+
+
+def test_swapped_order_gives_bf16_moments_and_the_check_fires(tiny_model_dir, bf16_checkpoint):
+    net = load_reranker(tiny_model_dir, torch.bfloat16)  # loaded in the checkpoint's dtype
+    ckpt.load_model_weights(net, bf16_checkpoint)
+    opt, _ = build(net)
+    ckpt.load_optimizer(opt, bf16_checkpoint)             # state loaded into bf16 params ...
+    net.to(torch.float32)                                 # ... and cast afterwards
+    assert {p.dtype for p in net.parameters()} == {torch.float32}
+    assert moment_dtypes(opt) == {torch.bfloat16}
+    with pytest.raises(RuntimeError, match="model -> cast to storage dtype -> optimizer"):
+        precision.check_optimizer_state_dtype(opt)
