@@ -10,7 +10,6 @@ checkpoints and final/ (an exported model dir).
 """
 
 import argparse
-import contextlib
 import math
 import os
 import random
@@ -62,7 +61,7 @@ def parse_args(argv=None):
 
     optim.add_optim_args(p, lr=5e-5, max_steps=60, warmup_steps=6)
     precision.add_precision_args(p)
-    dist.add_ddp_args(p)
+    dist.add_dist_args(p)
 
     g = p.add_argument_group("run")
     g.add_argument("--output-dir", default="runs/biencoder", help="run folder: logs, checkpoints, final model")
@@ -79,10 +78,9 @@ def parse_args(argv=None):
 def validate(model, tokenizer, records, args, ctx, autocast_dtype):
     """Group loss (own group only, so it does not depend on batch size or world size), acc@1, MRR."""
     model.eval()
-    mine, n = data.shard(records, ctx.rank, ctx.world_size), args.val_n_passages
+    n = args.val_n_passages
     loss_sum, acc_sum, rr_sum, count = 0.0, 0.0, 0.0, 0.0
-    for s in range(0, len(mine), args.val_batch_size):
-        recs = mine[s:s + args.val_batch_size]
+    for recs, counted in data.eval_batches(records, args.val_batch_size, ctx.rank, ctx.world_size):
         groups = [data.fixed_group(r, n) for r in recs]
         q_batch, p_batch = collate_biencoder(
             tokenizer, [r.query for r in recs], groups, args.query_max_length, args.passage_max_length,
@@ -90,6 +88,8 @@ def validate(model, tokenizer, records, args, ctx, autocast_dtype):
         with precision.autocast(ctx.device.type, autocast_dtype):
             q, p = model(q_batch.to(ctx.device), p_batch.to(ctx.device))
         scores = contrastive_scores(q.float(), p.float(), n, in_batch=False)  # (b, n)
+        if not counted:
+            continue
         loss_sum += contrastive_loss(q, p, n, args.temperature, in_batch=False).item() * len(recs)
         a, r, c = group_metric_sums(scores)
         acc_sum, rr_sum, count = acc_sum + a, rr_sum + r, count + c
@@ -122,7 +122,8 @@ def main():
 
     # ----- model in the storage dtype ------------------------------------------------------------
     storage_dtype = precision.resolve_storage_dtype(args.torch_dtype, args.force_fp32_params)
-    autocast_dtype = precision.parse_dtype(args.autocast_dtype)
+    compute_dtype = precision.parse_dtype(args.compute_dtype)
+    autocast_dtype = compute_dtype if args.parallel == "ddp" else None  # FSDP2: the MixedPrecisionPolicy
     model_dir = args.model or default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
     encoder = load_encoder(model_dir, storage_dtype, args.trust_remote_code).to(ctx.device)
@@ -133,11 +134,21 @@ def main():
         ckpt.load_model_weights(encoder, resume_dir)
         encoder.to(storage_dtype)
 
-    # ----- wrap: DDP with every knob explicit (a world of 1 too) ---------------------------------
-    model = dist.wrap_ddp(BiEncoder(encoder, args.pooling, args.normalize), ctx,
-                          broadcast_buffers=args.broadcast_buffers,
-                          find_unused_parameters=args.find_unused_parameters, static_graph=args.static_graph,
-                          bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
+    # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------
+    if args.activation_checkpointing:
+        encoder.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.compile:
+        for layer in dist.transformer_layers(encoder):
+            layer.compile()  # in place: no `_orig_mod.` in any key
+    model = BiEncoder(encoder, args.pooling, args.normalize)
+    if args.parallel == "fsdp2":
+        model = dist.wrap_fsdp2(model, dist.transformer_layers(encoder), precision.mp_policy(compute_dtype),
+                                args.reshard_after_forward)
+    else:
+        model = dist.wrap_ddp(model, ctx, broadcast_buffers=args.broadcast_buffers,
+                              find_unused_parameters=args.find_unused_parameters, static_graph=args.static_graph,
+                              bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
+    eval_model = model.module if args.parallel == "ddp" else model  # no DDP bookkeeping in validation
 
     # ----- optimizer, schedule; resume, part 2: optimizer -> scheduler -> loop state ------------
     groups = optim.param_groups(encoder, args.weight_decay)
@@ -146,7 +157,7 @@ def main():
     loss_avg = WindowedAverage(args.loss_avg_window)
     start_step = 0
     if resume_dir:
-        ckpt.load_optimizer(optimizer, resume_dir)
+        ckpt.load_optimizer(optimizer, resume_dir, wrapped=model)
         ckpt.load_scheduler(scheduler, resume_dir)
         meta = ckpt.load_meta(resume_dir)
         start_step = meta["step"]
@@ -163,7 +174,7 @@ def main():
                         bar_keys=("loss", "loss_avg_window", "lr", "samples_per_s"))
     dist.print0(f"world {ctx.world_size} on {ctx.device}; {len(records)} train groups, {len(val_records)} val; "
                 f"{args.batch_size * ctx.world_size * args.grad_accum_steps} queries x {args.n_passages} "
-                f"passages per step; storage {storage_dtype}, autocast {autocast_dtype}")
+                f"passages per step; {args.parallel}, storage {storage_dtype}, compute {compute_dtype or storage_dtype}")
 
     # ----- loop ----------------------------------------------------------------------------------
     B, n = args.batch_size, args.n_passages
@@ -174,13 +185,13 @@ def main():
         last_step = step == args.max_steps
 
         if val_records and (step == start_step or step % args.val_every == 0 or last_step):
-            metrics = validate(model.module, tokenizer, val_records, args, ctx, autocast_dtype)
+            metrics = validate(eval_model, tokenizer, val_records, args, ctx, autocast_dtype)
             logger.log(step, metrics, prefix="val")
             logger.write(f"step {step}: val loss {metrics['loss']:.4f} acc@1 {metrics['acc@1']:.4f} "
                          f"mrr {metrics['mrr']:.4f}")
         if step > start_step and (step % args.ckpt_every == 0 or last_step):
             ckpt.save_checkpoint(args.output_dir, step, encoder, optimizer, scheduler,
-                                 {"loss_avg": loss_avg.state_dict()}, vars(args))
+                                 {"loss_avg": loss_avg.state_dict()}, vars(args), wrapped=model)
         if last_step:
             break
 
@@ -197,7 +208,7 @@ def main():
                 args.passage_max_length, args.query_prefix, args.passage_prefix, args.pad_to_multiple_of)
             n_tokens += int(q_batch["attention_mask"].sum() + p_batch["attention_mask"].sum())
             sync = micro == args.grad_accum_steps - 1
-            with (model.no_sync() if not sync else contextlib.nullcontext()):
+            with dist.grad_sync(model, sync):
                 with precision.autocast(ctx.device.type, autocast_dtype):
                     q, p = model(q_batch.to(ctx.device), p_batch.to(ctx.device))  # (B, H), (B*n, H)
                 p_all = dist.gather_with_grad(p) if gather else p  # (W*B*n, H) with grads
@@ -208,8 +219,8 @@ def main():
                 scores = contrastive_scores(q, p_all, n, args.in_batch_negatives)
                 target = label_offset + torch.arange(B, device=q.device) * n if args.in_batch_negatives else 0
                 acc_sum += (scores.argmax(1) == target).float().mean().item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
+        grad_norm = dist.clip_grad_norm(model, args.max_grad_norm if args.max_grad_norm > 0 else float("inf"),
+                                        use_buckets=args.parallel == "ddp" and args.gradient_as_bucket_view)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()

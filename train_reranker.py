@@ -10,7 +10,6 @@ each group flattened to (query, passage) pairs, positive first - and writes runs
 """
 
 import argparse
-import contextlib
 import math
 import os
 import random
@@ -38,7 +37,7 @@ def parse_args(argv=None):
     g.add_argument("--val-max-groups", type=int, default=0, help="validate on the first N groups (0 = all)")
     g.add_argument("--val-n-passages", type=int, default=4, help="pairs per validation group (1 positive + N-1 negatives)")
     g.add_argument("--n-passages", type=int, default=4, help="pairs per query: 1 positive + N-1 hard negatives")
-    g.add_argument("--batch-size", type=int, default=8, help="queries per rank per micro-batch (x n-passages pairs)")
+    g.add_argument("--batch-size", type=int, default=4, help="queries per rank per micro-batch (x n-passages pairs)")
     g.add_argument("--prompt-template", default=DEFAULT_TEMPLATE,
                    help="how a pair becomes one text; must hold {query} and {passage} (default %(default)r)")
     g.add_argument("--rerank-max-length", type=int, default=512,
@@ -58,7 +57,7 @@ def parse_args(argv=None):
 
     optim.add_optim_args(p, lr=2e-4, max_steps=60, warmup_steps=6)
     precision.add_precision_args(p)
-    dist.add_ddp_args(p)
+    dist.add_dist_args(p)
 
     g = p.add_argument_group("run")
     g.add_argument("--output-dir", default="runs/reranker", help="run folder: logs, checkpoints, final model")
@@ -82,14 +81,15 @@ def tokenization_settings(args, tokenizer):
 def validate(model, tokenizer, records, args, ctx, autocast_dtype):
     """Listwise loss, acc@1 and MRR over each query's own group, reduced over ranks."""
     model.eval()
-    mine, n = data.shard(records, ctx.rank, ctx.world_size), args.val_n_passages
+    n = args.val_n_passages
     loss_sum, acc_sum, rr_sum, count = 0.0, 0.0, 0.0, 0.0
-    for s in range(0, len(mine), args.val_batch_size):
-        recs = mine[s:s + args.val_batch_size]
+    for recs, counted in data.eval_batches(records, args.val_batch_size, ctx.rank, ctx.world_size):
         batch = collate_rerank(tokenizer, [r.query for r in recs], [data.fixed_group(r, n) for r in recs],
                                args.prompt_template, args.rerank_max_length, args.append_eos, args.pad_to_multiple_of)
         with precision.autocast(ctx.device.type, autocast_dtype):
             logits = model(batch.to(ctx.device))  # (b * n,)
+        if not counted:
+            continue
         loss_sum += listwise_loss(logits, n).item() * len(recs)
         a, r, c = group_metric_sums(logits.float().view(-1, n))
         acc_sum, rr_sum, count = acc_sum + a, rr_sum + r, count + c
@@ -121,7 +121,8 @@ def main():
 
     # ----- model in the storage dtype ------------------------------------------------------------
     storage_dtype = precision.resolve_storage_dtype(args.torch_dtype, args.force_fp32_params)
-    autocast_dtype = precision.parse_dtype(args.autocast_dtype)
+    compute_dtype = precision.parse_dtype(args.compute_dtype)
+    autocast_dtype = compute_dtype if args.parallel == "ddp" else None  # FSDP2: the MixedPrecisionPolicy
     model_dir = args.model or default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
     if args.padding_side != "auto":
@@ -138,11 +139,21 @@ def main():
         ckpt.load_model_weights(net, resume_dir)
         net.to(storage_dtype)
 
-    # ----- wrap: DDP with every knob explicit (a world of 1 too) ---------------------------------
-    model = dist.wrap_ddp(CrossEncoder(net, args.pooling), ctx,
-                          broadcast_buffers=args.broadcast_buffers,
-                          find_unused_parameters=args.find_unused_parameters, static_graph=args.static_graph,
-                          bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
+    # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------
+    if args.activation_checkpointing:
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.compile:
+        for layer in dist.transformer_layers(net):
+            layer.compile()  # in place: no `_orig_mod.` in any key
+    model = CrossEncoder(net, args.pooling)
+    if args.parallel == "fsdp2":
+        model = dist.wrap_fsdp2(model, dist.transformer_layers(net), precision.mp_policy(compute_dtype),
+                                args.reshard_after_forward)
+    else:
+        model = dist.wrap_ddp(model, ctx, broadcast_buffers=args.broadcast_buffers,
+                              find_unused_parameters=args.find_unused_parameters, static_graph=args.static_graph,
+                              bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
+    eval_model = model.module if args.parallel == "ddp" else model  # no DDP bookkeeping in validation
 
     # ----- optimizer, schedule; resume, part 2: optimizer -> scheduler -> loop state ------------
     optimizer = optim.build_optimizer(optim.param_groups(net, args.weight_decay), args.lr,
@@ -151,11 +162,15 @@ def main():
     loss_avg = WindowedAverage(args.loss_avg_window)
     start_step = 0
     if resume_dir:
-        ckpt.load_optimizer(optimizer, resume_dir)
+        ckpt.load_optimizer(optimizer, resume_dir, wrapped=model)
         ckpt.load_scheduler(scheduler, resume_dir)
         meta = ckpt.load_meta(resume_dir)
         start_step = meta["step"]
         loss_avg.load_state_dict(meta["loop"]["loss_avg"])
+        saved = meta["loop"].get("tokenization", {})
+        changed = {k: (saved[k], v) for k, v in tokenization_settings(args, tokenizer).items() if k in saved and saved[k] != v}
+        if changed:
+            dist.print0(f"warning: tokenization differs from the checkpoint's (saved, now): {changed}")
         ckpt.load_rng(resume_dir, ctx.rank)
         dist.print0(f"resumed from {resume_dir} at step {start_step}")
     precision.check_optimizer_state_dtype(optimizer)
@@ -169,7 +184,7 @@ def main():
                         bar_keys=("loss", "loss_avg_window", "acc", "lr", "samples_per_s"))
     dist.print0(f"world {ctx.world_size} on {ctx.device}; {len(records)} train groups, {len(val_records)} val; "
                 f"{args.batch_size * ctx.world_size * args.grad_accum_steps} queries x {args.n_passages} "
-                f"pairs per step; storage {storage_dtype}, autocast {autocast_dtype}")
+                f"pairs per step; {args.parallel}, storage {storage_dtype}, compute {compute_dtype or storage_dtype}")
 
     # ----- loop ----------------------------------------------------------------------------------
     B, n = args.batch_size, args.n_passages
@@ -179,13 +194,13 @@ def main():
         last_step = step == args.max_steps
 
         if val_records and (step == start_step or step % args.val_every == 0 or last_step):
-            metrics = validate(model.module, tokenizer, val_records, args, ctx, autocast_dtype)
+            metrics = validate(eval_model, tokenizer, val_records, args, ctx, autocast_dtype)
             logger.log(step, metrics, prefix="val")
             logger.write(f"step {step}: val loss {metrics['loss']:.4f} acc@1 {metrics['acc@1']:.4f} "
                          f"mrr {metrics['mrr']:.4f}")
         if step > start_step and (step % args.ckpt_every == 0 or last_step):
             ckpt.save_checkpoint(args.output_dir, step, net, optimizer, scheduler,
-                                 {"loss_avg": loss_avg.state_dict(), "tokenization": tok_settings}, vars(args))
+                                 {"loss_avg": loss_avg.state_dict(), "tokenization": tok_settings}, vars(args), wrapped=model)
         if last_step:
             break
 
@@ -201,15 +216,15 @@ def main():
                                    args.rerank_max_length, args.append_eos, args.pad_to_multiple_of)
             n_tokens += int(batch["attention_mask"].sum())
             sync = micro == args.grad_accum_steps - 1
-            with (model.no_sync() if not sync else contextlib.nullcontext()):
+            with dist.grad_sync(model, sync):
                 with precision.autocast(ctx.device.type, autocast_dtype):
                     logits = model(batch.to(ctx.device))  # (B * n,)
                 loss = listwise_loss(logits, n)  # labels from the batch shape: column 0 of (B, n)
                 (loss / args.grad_accum_steps).backward()
             loss_sum += loss.item()
             acc_sum += (logits.detach().view(-1, n).argmax(1) == 0).float().mean().item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
+        grad_norm = dist.clip_grad_norm(model, args.max_grad_norm if args.max_grad_norm > 0 else float("inf"),
+                                        use_buckets=args.parallel == "ddp" and args.gradient_as_bucket_view)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()

@@ -21,9 +21,9 @@ import shutil
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model, save_file
 
-from .dist import unwrap
+from .dist import is_fsdp, unwrap
 
 SETTINGS_FILE = "retrieval_kit.json"
 
@@ -35,16 +35,6 @@ def _barrier():
 
 def _rank():
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def strip_prefixes(state_dict):
-    """Drop wrapper prefixes (`module.`, `_orig_mod.`) so saved keys never depend on the wrapper."""
-    out = {}
-    for k, v in state_dict.items():
-        while k.startswith(("module.", "_orig_mod.")):
-            k = k.split(".", 1)[1]
-        out[k.replace("._orig_mod.", ".").replace("._checkpoint_wrapped_module.", ".")] = v
-    return out
 
 
 def rng_state():
@@ -71,8 +61,39 @@ def _fsync_dir(path):
             os.fsync(f.fileno())
 
 
-def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args=None):
-    """Write `run_dir/step_{step:06d}/` atomically from all ranks (collective). Returns the path."""
+def full_state_dict(module):
+    """The module's state dict with plain full CPU tensors; collective under FSDP2 (DTensors gathered).
+
+    Pass the raw HF module (not a wrapper): its keys are the Hugging Face ones, whatever wraps it.
+    """
+    out, seen = {}, set()
+    for k, v in unwrap(module).state_dict().items():
+        if hasattr(v, "full_tensor"):
+            v = v.full_tensor()
+        v = v.detach().cpu()
+        if v.untyped_storage().data_ptr() in seen:
+            v = v.clone()  # tied weights: safetensors stores each tensor once
+        seen.add(v.untyped_storage().data_ptr())
+        out[k] = v.contiguous()
+    return out
+
+
+def _optimizer_state(optimizer, wrapped):
+    """Under FSDP2 the full (unsharded) optimizer state keyed by param name; else the plain state_dict."""
+    if wrapped is not None and is_fsdp(wrapped):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(wrapped, optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return optimizer.state_dict()
+
+
+def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args=None, wrapped=None):
+    """Write `run_dir/step_{step:06d}/` atomically from all ranks (collective). Returns the path.
+
+    `model` is the raw HF module whose weights are saved; `wrapped` the DDP / FSDP2 module the
+    optimizer was built under (needed to gather sharded optimizer state).
+    """
     name = f"step_{step:06d}"
     final, tmp = os.path.join(run_dir, name), os.path.join(run_dir, f".tmp_{name}")
     rank = _rank()
@@ -81,9 +102,10 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args
         os.makedirs(tmp)
     _barrier()
     torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    weights, optim_state = full_state_dict(model), _optimizer_state(optimizer, wrapped)  # collectives
     if rank == 0:
-        save_model(unwrap(model), os.path.join(tmp, "model.safetensors"))
-        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        save_file(weights, os.path.join(tmp, "model.safetensors"))
+        torch.save(optim_state, os.path.join(tmp, "optimizer.pt"))
         torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
     _barrier()
     if rank == 0:
@@ -91,6 +113,7 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args
 
         meta = {"step": step, "loop": loop_state, "args": args, "world_size": dist.get_world_size()
                 if dist.is_initialized() else 1, "torch": torch.__version__,
+                "optimizer_format": "fsdp_full" if wrapped is not None and is_fsdp(wrapped) else "torch",
                 "transformers": transformers.__version__, "complete": True}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2, default=str)
@@ -136,9 +159,20 @@ def load_model_weights(model, ckpt_dir):
     return missing, unexpected
 
 
-def load_optimizer(optimizer, ckpt_dir):
+def load_optimizer(optimizer, ckpt_dir, wrapped=None):
     """Step 3 of resume (after casting the model): state is cast to each param's dtype by torch."""
-    optimizer.load_state_dict(torch.load(os.path.join(ckpt_dir, "optimizer.pt"), weights_only=True))
+    state = torch.load(os.path.join(ckpt_dir, "optimizer.pt"), weights_only=True)
+    saved = load_meta(ckpt_dir).get("optimizer_format", "torch")
+    now = "fsdp_full" if wrapped is not None and is_fsdp(wrapped) else "torch"
+    if saved != now:
+        raise SystemExit(f"{ckpt_dir}: optimizer state was saved under "
+                         f"{'FSDP2' if saved == 'fsdp_full' else 'DDP'}; resume it with the same --parallel")
+    if now == "fsdp_full":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(wrapped, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        optimizer.load_state_dict(state)
 
 
 def load_scheduler(scheduler, ckpt_dir):
@@ -159,9 +193,10 @@ def load_rng(ckpt_dir, rank):
 def export_model(out_dir, model, tokenizer, settings):
     """Save a dir that AutoModel / AutoTokenizer.from_pretrained load, plus our settings beside it
     (pooling, normalization, prefixes, max lengths, template) so evaluation tokenizes as training did."""
+    weights = full_state_dict(model)  # collective under FSDP2
     if _rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
-        unwrap(model).save_pretrained(out_dir, safe_serialization=True)
+        unwrap(model).save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
         with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
             json.dump(settings, f, indent=2)

@@ -188,3 +188,16 @@ def shard(items, rank, world_size):
 def group_to_pairs(query, group):
     """Flatten one group to (query, passage) pairs for a cross-encoder, positive first."""
     return [(query, p) for p in group]
+
+
+def eval_batches(records, batch_size, rank, world_size):
+    """This rank's evaluation batches as (records, counted), the same number on every rank.
+
+    Sharded models run collectives in every forward, so a rank whose shard is exhausted runs a
+    dummy batch (its results not counted) until every rank is done.
+    """
+    mine = shard(records, rank, world_size)
+    per = -(-len(records) // world_size)
+    for b in range(-(-per // batch_size)):
+        recs = mine[b * batch_size:(b + 1) * batch_size]
+        yield (recs, True) if recs else (records[:1], False)

@@ -5,6 +5,7 @@ in-memory store), so every code path - DDP wrapping, reductions, gathers - is th
 """
 
 import argparse
+import contextlib
 import inspect
 import os
 from dataclasses import dataclass
@@ -91,18 +92,28 @@ def gather_with_grad(t):
     return torch.cat(torch.distributed.nn.functional.all_gather(t), dim=0)
 
 
-def add_ddp_args(parser):
-    """DistributedDataParallel knobs, forwarded as given (same flags in both scripts)."""
-    g = parser.add_argument_group("distributed (DDP)")
+def add_dist_args(parser):
+    """Every DDP and FSDP2 knob, plus activation checkpointing and compile (same flags in both scripts)."""
+    g = parser.add_argument_group("distributed")
+    g.add_argument("--parallel", choices=("ddp", "fsdp2"), default="ddp",
+                   help="ddp: replicate params, all-reduce grads; fsdp2: shard params, grads and optimizer "
+                        "state with fully_shard on each transformer layer, then the root (default ddp)")
     g.add_argument("--broadcast-buffers", action=argparse.BooleanOptionalAction, default=True,
-                   help="DDP broadcast_buffers: sync module buffers from rank 0 each forward (default on)")
+                   help="DDP: sync buffers from rank 0 at each forward (maps to forward_sync_buffers on torch "
+                        ">= 2.13, where broadcast_buffers is deprecated; default on)")
     g.add_argument("--find-unused-parameters", action="store_true",
-                   help="DDP find_unused_parameters: needed when some params get no grad in a step")
+                   help="DDP: find params that got no grad each step (costs a graph traversal per step)")
     g.add_argument("--static-graph", action="store_true",
-                   help="DDP static_graph: the graph is the same every step; lets DDP skip re-discovery")
-    g.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket_cap_mb (default 25)")
+                   help="DDP: the graph is the same every step; DDP skips re-discovery and overlaps more")
+    g.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP: gradient bucket size in MB (default 25)")
     g.add_argument("--gradient-as-bucket-view", action="store_true",
-                   help="DDP gradient_as_bucket_view: grads are views into the buckets (saves a copy)")
+                   help="DDP: grads are views into the all-reduce buckets (saves a copy; enables bucket clipping)")
+    g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="FSDP2: free gathered params after forward and re-gather for backward (default on; "
+                        "off trades memory for one all-gather less per layer)")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each layer's activations in backward instead of storing them")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model before wrapping")
     return g
 
 
@@ -133,3 +144,81 @@ def unwrap(model):
             model = model._orig_mod
         else:
             return model
+
+
+def transformer_layers(model):
+    """The ModuleList of transformer blocks of an HF model (the largest ModuleList it holds)."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+    if not lists:
+        raise ValueError(f"{type(model).__name__}: no ModuleList of layers found to shard")
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def wrap_fsdp2(model, layers, mp_policy=None, reshard_after_forward=True):
+    """fully_shard each transformer layer, then the root (one all-gather per layer, the rest at the root)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw = {"mp_policy": mp_policy or MixedPrecisionPolicy(), "reshard_after_forward": reshard_after_forward}
+    for layer in layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def is_fsdp(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def grad_sync(model, sync):
+    """Context for one micro-batch: gradients synchronize only when `sync` (the last micro-batch).
+
+    DDP: `no_sync()` on the others. FSDP2: `set_requires_gradient_sync`. DDP with static_graph
+    always syncs: `no_sync` under `static_graph=True` trips an internal assert and then silently
+    stops all-reducing (pytorch/pytorch#143580), so accumulation there pays one all-reduce per
+    micro-batch instead (the gradients are the same).
+    """
+    if is_fsdp(model):
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    if isinstance(model, DDP) and not sync and not model.static_graph:
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def ddp_buckets(model):
+    """The flat gradient buckets under DDP with gradient_as_bucket_view: grads are views into them,
+    so distinct grad storages are the buckets. Returns flat tensors (few and large)."""
+    seen, flats = set(), []
+    for p in model.parameters():
+        g = p.grad
+        if g is None:
+            continue
+        st = g.untyped_storage()
+        if st.data_ptr() in seen:
+            continue
+        seen.add(st.data_ptr())
+        flats.append(torch.empty(0, dtype=g.dtype, device=g.device).set_(st, 0, (st.nbytes() // g.element_size(),)))
+    return flats
+
+
+def clip_grad_norm(model, max_norm, use_buckets=False):
+    """Clip the global grad norm to max_norm (inf = measure only); returns the norm as a float.
+
+    use_buckets (DDP with gradient_as_bucket_view): the norm is taken over the few flat bucket
+    tensors instead of every param's grad, and they are scaled in place; same result as
+    `clip_grad_norm_`. Otherwise `torch.nn.utils.clip_grad_norm_` (DTensor-aware under FSDP2).
+    """
+    if use_buckets:
+        flats = ddp_buckets(model)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f, dtype=torch.float32) for f in flats]))
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1:
+            for f in flats:
+                f.mul_(coef.to(f.dtype))
+        return norm.item()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return norm.item()

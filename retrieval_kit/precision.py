@@ -51,6 +51,14 @@ def autocast(device_type, dtype):
     return torch.autocast(device_type=device_type, dtype=dtype)
 
 
+def mp_policy(compute_dtype):
+    """FSDP2 mixed precision: params gathered in `compute_dtype` (None = storage dtype), grads reduced in fp32.
+    The sharded params - the master weights the optimizer updates - stay in the storage dtype."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
 def optimizer_state_dtypes(optimizer):
     """{(param dtype, state dtype)} over the floating tensor state of every param (step excluded)."""
     pairs = set()
@@ -78,6 +86,8 @@ def add_precision_args(parser):
                    help="storage dtype of params and AdamW state (auto = fp32 master weights)")
     g.add_argument("--force-fp32-params", action="store_true",
                    help="params and AdamW moments fp32, whatever the load or checkpoint dtype")
-    g.add_argument("--autocast-dtype", choices=("none", "bf16", "fp16"), default="none",
-                   help="compute dtype under torch.autocast (default none: compute in the storage dtype)")
+    g.add_argument("--compute-dtype", "--autocast-dtype", dest="compute_dtype", choices=("none", "bf16", "fp16"),
+                   default="none",
+                   help="compute dtype: torch.autocast under DDP, the MixedPrecisionPolicy param dtype under "
+                        "FSDP2 (gradients reduced in fp32); default none = compute in the storage dtype")
     return g

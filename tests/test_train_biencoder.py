@@ -92,3 +92,20 @@ def test_exported_model_reloads_to_the_same_embeddings(tiny_model_dir, tmp_path)
                          pooling=settings["pooling"], normalize=settings["normalize"])
     assert torch.allclose(before, after, atol=1e-6)
     assert not torch.allclose(before, encode_texts(load_encoder(tiny_model_dir), tok, texts, 32), atol=1e-4)
+
+
+def test_fsdp2_with_checkpointing_and_accumulation_resumes_to_the_same_loss(tiny_model_dir, small_train_file,
+                                                                             tmp_path):
+    args = common_args(tiny_model_dir, small_train_file, tmp_path / "a") + [
+        "--parallel", "fsdp2", "--activation-checkpointing", "--grad-accum-steps", "2", "--batch-size", "4",
+        "--max-steps", "3", "--val-every", "3", "--ckpt-every", "2"]
+    run_script("train_biencoder.py", args, nproc=2)
+    first = read_jsonl(tmp_path / "a" / "metrics.jsonl")
+    assert ckpt.load_meta(str(tmp_path / "a" / "step_000002"))["optimizer_format"] == "fsdp_full"
+    resumed = common_args(tiny_model_dir, small_train_file, tmp_path / "b") + args[len(common_args("", "", "")):] + [
+        "--resume", str(tmp_path / "a" / "step_000002")]
+    run_script("train_biencoder.py", resumed, nproc=2)
+    second = read_jsonl(tmp_path / "b" / "metrics.jsonl")
+    loss3 = [[r["loss"] for r in rows if r["split"] == "train" and r["step"] == 3] for rows in (first, second)]
+    assert loss3[0] and loss3[0] == loss3[1]
+    AutoModel.from_pretrained(tmp_path / "b" / "final")

