@@ -60,13 +60,11 @@ def parse_args(argv=None):
     dist.add_dist_args(p)
 
     g = p.add_argument_group("run")
-    g.add_argument("--output-dir", default="runs/reranker", help="run folder: logs, checkpoints, final model")
     g.add_argument("--log-every", type=int, default=1, help="log train scalars every N steps")
     g.add_argument("--loss-avg-window", type=int, default=50, help="window of the smoothed loss")
     g.add_argument("--val-every", type=int, default=30, help="validate every N steps (and at step 0 and the end)")
     g.add_argument("--val-batch-size", type=int, default=16, help="queries per validation batch")
-    g.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N steps (and at the end)")
-    g.add_argument("--resume", default="none", help="none | auto (latest in --output-dir) | PATH to a step_* folder")
+    ckpt.add_ckpt_args(p, output_dir="runs/reranker")
     return p.parse_args(argv)
 
 
@@ -132,6 +130,7 @@ def main():
     if args.bidirectional:
         make_bidirectional(net)
     net.to(ctx.device)
+    torch.manual_seed(args.seed + ctx.rank)  # from here on (dropout) each rank draws its own numbers
 
     # ----- resume, part 1: model weights -> cast to the storage dtype ---------------------------
     resume_dir = ckpt.resolve_resume(args.resume, args.output_dir)
@@ -160,13 +159,14 @@ def main():
                                       (args.adam_beta1, args.adam_beta2), args.adam_eps)
     scheduler = optim.build_scheduler(optimizer, args.warmup_steps, args.max_steps, args.lr_schedule)
     loss_avg = WindowedAverage(args.loss_avg_window)
-    start_step = 0
+    start_step, skipped = 0, 0
     if resume_dir:
         ckpt.load_optimizer(optimizer, resume_dir, wrapped=model)
         ckpt.load_scheduler(scheduler, resume_dir)
         meta = ckpt.load_meta(resume_dir)
         start_step = meta["step"]
         loss_avg.load_state_dict(meta["loop"]["loss_avg"])
+        skipped = meta["loop"].get("skipped_steps", 0)
         saved = meta["loop"].get("tokenization", {})
         changed = {k: (saved[k], v) for k, v in tokenization_settings(args, tokenizer).items() if k in saved and saved[k] != v}
         if changed:
@@ -189,19 +189,23 @@ def main():
     # ----- loop ----------------------------------------------------------------------------------
     B, n = args.batch_size, args.n_passages
     order_epoch, order = -1, None
-    step = start_step
+    step, bad_in_a_row, stopping = start_step, 0, False
+    stop = ckpt.StopSignal()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0
     while True:
-        last_step = step == args.max_steps
+        last_step = step >= args.max_steps
 
-        if val_records and (step == start_step or step % args.val_every == 0 or last_step):
+        if val_records and not stopping and (step == start_step or step % args.val_every == 0 or last_step):
             metrics = validate(eval_model, tokenizer, val_records, args, ctx, autocast_dtype)
             logger.log(step, metrics, prefix="val")
             logger.write(f"step {step}: val loss {metrics['loss']:.4f} acc@1 {metrics['acc@1']:.4f} "
                          f"mrr {metrics['mrr']:.4f}")
-        if step > start_step and (step % args.ckpt_every == 0 or last_step):
+        if step > start_step and (step % args.ckpt_every == 0 or last_step or stopping):
+            epoch, pos = divmod(step * args.grad_accum_steps, spe)
             ckpt.save_checkpoint(args.output_dir, step, net, optimizer, scheduler,
-                                 {"loss_avg": loss_avg.state_dict(), "tokenization": tok_settings}, vars(args), wrapped=model)
-        if last_step:
+                                 {"loss_avg": loss_avg.state_dict(), "tokenization": tok_settings, "skipped_steps": skipped,
+                                  "epoch": epoch, "position_in_epoch": pos}, vars(args), wrapped=model)
+            ckpt.prune(args.output_dir, args.keep_last)
+        if last_step or stopping:
             break
 
         t0 = time.perf_counter()
@@ -226,23 +230,38 @@ def main():
         grad_norm = dist.clip_grad_norm(model, args.max_grad_norm if args.max_grad_norm > 0 else float("inf"),
                                         use_buckets=args.parallel == "ddp" and args.gradient_as_bucket_view)
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
+        if math.isfinite(grad_norm):  # the global norm: every rank takes the same branch
+            optimizer.step()
+            scheduler.step()
+            bad_in_a_row = 0
+        else:  # a non-finite loss or grad on any rank: skip the update everywhere, never save NaN weights
+            skipped, bad_in_a_row = skipped + 1, bad_in_a_row + 1
+            if bad_in_a_row >= args.max_bad_steps:
+                raise SystemExit(f"step {step + 1}: {bad_in_a_row} steps in a row with a non-finite loss or grad "
+                                 "norm; stopping (lower --lr, check the data, or resume from the last checkpoint)")
         optimizer.zero_grad(set_to_none=True)
         step += 1
 
         dt = time.perf_counter() - t0
         red = dist.reduce_mean({"loss": loss_sum / args.grad_accum_steps, "acc": acc_sum / args.grad_accum_steps,
-                                "tokens": n_tokens, "dt": dt})
-        if not math.isfinite(red["loss"]):
-            raise SystemExit(f"step {step}: loss is {red['loss']}; stopping (lower --lr or check the data)")
-        scalars = {"loss": red["loss"], "loss_avg_window": loss_avg.update(red["loss"]), "acc": red["acc"],
-                   "lr": lr, "grad_norm": float(grad_norm),
+                                "tokens": n_tokens, "dt": dt, "stop": float(stop.requested)})
+        stopping = red["stop"] > 0  # any rank signalled: all stop after this step
+        if math.isfinite(red["loss"]):
+            loss_avg.update(red["loss"])  # a skipped step stays out of the window
+        scalars = {"loss": red["loss"], "loss_avg_window": loss_avg.value, "acc": red["acc"],
+                   "lr": lr, "grad_norm": grad_norm, "skipped_steps": skipped,
                    "samples_per_s": B * args.grad_accum_steps * ctx.world_size / red["dt"],
                    "tokens_per_s": red["tokens"] * ctx.world_size / red["dt"]}
         if step % args.log_every == 0 or step == args.max_steps:
             logger.log(step, scalars)
         logger.advance()
+
+    if stopping:
+        logger.close()
+        dist.print0(f"stopped by {stop.name or 'a signal on another rank'} after step {step}: checkpoint saved in "
+                    f"{args.output_dir}; continue with --resume auto")
+        dist.cleanup()
+        return
 
     # ----- export --------------------------------------------------------------------------------
     final = ckpt.export_model(os.path.join(args.output_dir, "final"), net, tokenizer, {

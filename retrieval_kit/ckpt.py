@@ -15,8 +15,11 @@ Resume order (see precision.py for why): load_model_weights -> cast model to the
 
 import json
 import os
+import pickle
 import random
 import shutil
+import signal
+import warnings
 
 import numpy as np
 import torch
@@ -59,6 +62,16 @@ def _fsync_dir(path):
     for name in os.listdir(path):
         with open(os.path.join(path, name), "rb") as f:
             os.fsync(f.fileno())
+
+
+def safe_load(path):
+    """torch.load restricted to tensors and plain containers (weights_only): a pickle that would run
+    code is refused with the file named, never executed."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise SystemExit(f"{path}: refusing to load: not a plain tensor file, it may be tampered with "
+                         f"(torch.load weights_only=True said: {str(e).splitlines()[0]})") from None
 
 
 def full_state_dict(module):
@@ -139,6 +152,8 @@ def find_latest(run_dir):
     for d in reversed(steps):
         if is_complete(os.path.join(run_dir, d)):
             return os.path.join(run_dir, d)
+        if _rank() == 0:
+            warnings.warn(f"{os.path.join(run_dir, d)}: incomplete checkpoint (no meta.json), skipped")
     return None
 
 
@@ -161,7 +176,7 @@ def load_model_weights(model, ckpt_dir):
 
 def load_optimizer(optimizer, ckpt_dir, wrapped=None):
     """Step 3 of resume (after casting the model): state is cast to each param's dtype by torch."""
-    state = torch.load(os.path.join(ckpt_dir, "optimizer.pt"), weights_only=True)
+    state = safe_load(os.path.join(ckpt_dir, "optimizer.pt"))
     saved = load_meta(ckpt_dir).get("optimizer_format", "torch")
     now = "fsdp_full" if wrapped is not None and is_fsdp(wrapped) else "torch"
     if saved != now:
@@ -176,7 +191,7 @@ def load_optimizer(optimizer, ckpt_dir, wrapped=None):
 
 
 def load_scheduler(scheduler, ckpt_dir):
-    scheduler.load_state_dict(torch.load(os.path.join(ckpt_dir, "scheduler.pt"), weights_only=True))
+    scheduler.load_state_dict(safe_load(os.path.join(ckpt_dir, "scheduler.pt")))
 
 
 def load_meta(ckpt_dir):
@@ -187,7 +202,9 @@ def load_meta(ckpt_dir):
 def load_rng(ckpt_dir, rank):
     path = os.path.join(ckpt_dir, f"rng_rank{rank}.pt")
     if os.path.isfile(path):
-        set_rng_state(torch.load(path, weights_only=True))
+        set_rng_state(safe_load(path))
+    elif rank == 0 or os.path.isfile(os.path.join(ckpt_dir, "rng_rank0.pt")):
+        warnings.warn(f"{ckpt_dir}: no RNG state for rank {rank} (saved by fewer ranks); it keeps its fresh seed")
 
 
 def export_model(out_dir, model, tokenizer, settings):
@@ -229,3 +246,41 @@ def load_exported_reranker(model_dir, dtype=torch.float32, trust_remote_code=Fal
     if settings.get("bidirectional"):
         make_bidirectional(net)
     return CrossEncoder(net, settings.get("pooling", "native")).eval(), tokenizer, settings
+
+
+class StopSignal:
+    """Records SIGTERM / SIGINT instead of dying mid-step: the loop finishes the step, every rank
+    agrees (the flag rides on the step's reduction), a checkpoint is saved and the run exits 0.
+    A second signal exits at once (any checkpoint being written stays a `.tmp_` folder)."""
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+        self.name = None
+        for s in signals:
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame):
+        self.name = self.name or signal.Signals(signum).name
+
+    @property
+    def requested(self):
+        return self.name is not None
+
+
+def add_ckpt_args(parser, output_dir):
+    """Checkpoint and resume flags (both scripts)."""
+    g = parser.add_argument_group("checkpoints")
+    g.add_argument("--output-dir", default=output_dir, help=f"run folder: logs, checkpoints, final model (default {output_dir})")
+    g.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N steps, and at the end (default 100)")
+    g.add_argument("--keep-last", type=int, default=3, help="keep the newest K complete checkpoints (0 = all; default 3)")
+    g.add_argument("--resume", default="none",
+                   help="none | auto (latest complete checkpoint in --output-dir, or start fresh) | PATH to a step_* folder")
+    return g
+
+
+def prune(run_dir, keep_last):
+    """Delete all but the newest `keep_last` complete checkpoints (rank 0; 0 keeps all)."""
+    if keep_last <= 0 or _rank() != 0:
+        return
+    done = sorted(d for d in os.listdir(run_dir) if d.startswith("step_") and is_complete(os.path.join(run_dir, d)))
+    for d in done[:-keep_last]:
+        shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)

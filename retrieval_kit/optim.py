@@ -74,5 +74,8 @@ def add_optim_args(parser, lr, max_steps, warmup_steps):
     g.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW beta2 (default 0.999)")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW eps (default 1e-8)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global grad norm (0 = off; default 1.0)")
+    g.add_argument("--max-bad-steps", type=int, default=5,
+                   help="a step whose loss or grad norm is not finite is skipped on every rank; stop after "
+                        "this many in a row (default 5)")
     g.add_argument("--seed", type=int, default=42, help="data order, negative sampling and init (default 42)")
     return g

@@ -1,0 +1,227 @@
+"""Exact resume after SIGKILL / SIGTERM, across world sizes, and checkpoints that must not be trusted."""
+
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import BertModel
+
+from tests.conftest import ROOT, read_jsonl, run_script, tiny_bert_config
+
+
+def launch(script, args, nproc=1):
+    """Start a run in a session of its own, as a scheduler would."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
+    cmd = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                               f"--nproc_per_node={nproc}"]
+    return subprocess.Popen(cmd + [os.path.join(ROOT, script)] + [str(a) for a in args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def process_tree(pid):
+    """pid and all its descendants (torchrun starts each worker in a session of its own)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def kill_after_checkpoint(proc, ckpt_dir, sig, timeout=300):
+    deadline = time.time() + timeout
+    while not os.path.isfile(os.path.join(ckpt_dir, "meta.json")):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+    for pid in process_tree(proc.pid):  # like a node going away: every process gets the signal
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+def weights(run_dir):
+    return load_file(os.path.join(run_dir, "final", "model.safetensors"))
+
+
+def losses(run_dir):
+    """step -> every loss logged for it (a resumed run logs the steps after its checkpoint again)."""
+    out = {}
+    for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")):
+        if r["split"] == "train":
+            out.setdefault(r["step"], []).append(r["loss"])
+    return out
+
+
+def assert_same_run(ref_dir, run_dir, exact=True, tol=0.0):
+    ref, got = weights(ref_dir), weights(run_dir)
+    assert ref.keys() == got.keys()
+    for k in ref:
+        if exact:
+            assert torch.equal(ref[k], got[k]), k
+        else:
+            assert torch.allclose(ref[k], got[k], atol=tol, rtol=0), (k, (ref[k] - got[k]).abs().max())
+    ref_l, got_l = losses(ref_dir), losses(run_dir)
+    assert set(got_l) <= set(ref_l) and max(got_l) == max(ref_l)
+    for step, values in got_l.items():
+        for v in values:
+            assert (v == ref_l[step][0]) if exact else abs(v - ref_l[step][0]) <= 1e-5, (step, v, ref_l[step])
+
+
+STEPS = 8
+
+
+def bi_args(model_dir, train_file, out, *extra):
+    return ["--model", model_dir, "--train-file", train_file, "--val-file", "", "--batch-size", 4,
+            "--passage-max-length", 32, "--lr-schedule", "constant", "--warmup-steps", 2, "--lr", 1e-3,
+            "--ckpt-every", 2, "--output-dir", out, *extra]
+
+
+def rr_args(model_dir, train_file, out, *extra):
+    return ["--model", model_dir, "--train-file", train_file, "--val-file", "", "--batch-size", 4,
+            "--n-passages", 2, "--rerank-max-length", 48, "--lr-schedule", "constant", "--warmup-steps", 2,
+            "--ckpt-every", 2, "--output-dir", out, *extra]
+
+
+@pytest.fixture(scope="module")
+def bi_ref(tiny_model_dir, small_train_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bi_ref")
+    run_script("train_biencoder.py", bi_args(tiny_model_dir, small_train_file, out, "--max-steps", STEPS, "--keep-last", 0))
+    return str(out)
+
+
+def test_sigkill_then_resume_is_bitwise_identical(bi_ref, tiny_model_dir, small_train_file, tmp_path):
+    args = bi_args(tiny_model_dir, small_train_file, tmp_path)
+    proc = launch("train_biencoder.py", args + ["--max-steps", 100000])  # constant LR: same path as STEPS
+    rc, _, _ = kill_after_checkpoint(proc, tmp_path / "step_000002", signal.SIGKILL)
+    assert rc == -signal.SIGKILL
+    run_script("train_biencoder.py", args + ["--max-steps", STEPS, "--resume", "auto", "--keep-last", 2])
+    assert_same_run(bi_ref, tmp_path)
+    kept = sorted(d for d in os.listdir(tmp_path) if d.startswith("step_"))
+    assert kept[-2:] == ["step_000006", "step_000008"] and len(kept) == 2  # --keep-last 2
+
+
+def test_sigterm_saves_a_checkpoint_that_resumes_exactly_reranker(tiny_model_dir, small_train_file, tmp_path):
+    ref = tmp_path / "ref"
+    run_script("train_reranker.py", rr_args(tiny_model_dir, small_train_file, ref, "--max-steps", STEPS))
+    run = tmp_path / "run"
+    args = rr_args(tiny_model_dir, small_train_file, run)
+    proc = launch("train_reranker.py", args + ["--max-steps", 100000])
+    rc, out, err = kill_after_checkpoint(proc, run / "step_000002", signal.SIGTERM)
+    assert rc == 0, err[-3000:]
+    assert "stopped by SIGTERM" in out
+    stopped_at = int(open(run / "latest").read().split("_")[1])
+    assert stopped_at >= 2 and os.path.isfile(run / f"step_{stopped_at:06d}" / "meta.json")
+    run_script("train_reranker.py", args + ["--max-steps", STEPS, "--resume", "auto"])
+    assert_same_run(ref, run)
+
+
+@pytest.mark.parametrize("parallel,sig", [("ddp", signal.SIGKILL), ("fsdp2", signal.SIGTERM)])
+def test_two_rank_kill_then_resume_is_bitwise_identical(tiny_model_dir, small_train_file, tmp_path, parallel, sig):
+    ref = tmp_path / "ref"
+    extra = ["--parallel", parallel]
+    run_script("train_biencoder.py", bi_args(tiny_model_dir, small_train_file, ref, "--max-steps", STEPS, *extra), nproc=2)
+    run = tmp_path / "run"
+    args = bi_args(tiny_model_dir, small_train_file, run, *extra)
+    proc = launch("train_biencoder.py", args + ["--max-steps", 100000], nproc=2)
+    kill_after_checkpoint(proc, run / "step_000002", sig)
+    run_script("train_biencoder.py", args + ["--max-steps", STEPS, "--resume", "auto"], nproc=2)
+    assert_same_run(ref, run)
+
+
+@pytest.fixture(scope="module")
+def no_dropout_dir(tmp_path_factory, tokenizer):
+    """Dropout off, so runs on different rank counts compute the same maths."""
+    out = tmp_path_factory.mktemp("tiny_nodrop")
+    torch.manual_seed(0)
+    BertModel(tiny_bert_config(len(tokenizer), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+              ).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def test_checkpoints_resume_across_world_sizes(no_dropout_dir, small_train_file, tmp_path):
+    # the same global batch of 8 queries: 1 rank x 8, or 2 ranks x 4 (negatives gathered)
+    def one(out, *extra):  # lr 1e-5: Adam's sign-like first steps would magnify rounding in near-zero grads
+        return bi_args(no_dropout_dir, small_train_file, out, "--max-steps", 6, "--lr", 1e-5, *extra)
+
+    run_script("train_biencoder.py", one(tmp_path / "w1") + ["--batch-size", 8])
+    run_script("train_biencoder.py", one(tmp_path / "w2"), nproc=2)
+    run_script("train_biencoder.py", one(tmp_path / "w2_to_w1", "--resume", tmp_path / "w2" / "step_000002")
+               + ["--batch-size", 8])
+    run_script("train_biencoder.py", one(tmp_path / "w1_to_w2", "--resume", tmp_path / "w1" / "step_000002"), nproc=2)
+    for a, b in (("w1", "w2_to_w1"), ("w2", "w1_to_w2"), ("w1", "w2")):
+        ref_l, got_l = losses(tmp_path / a), losses(tmp_path / b)
+        for step in range(3, 7):
+            assert abs(ref_l[step][-1] - got_l[step][-1]) < 1e-5, (a, b, step)
+        wa, wb = weights(tmp_path / a), weights(tmp_path / b)
+        assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-5
+
+
+def test_half_written_checkpoint_is_skipped(bi_ref, tiny_model_dir, small_train_file, tmp_path):
+    for step in ("step_000002", "step_000004"):
+        shutil.copytree(os.path.join(bi_ref, step), tmp_path / step)
+    os.remove(tmp_path / "step_000004" / "meta.json")  # crashed before it was complete
+    shutil.copytree(os.path.join(bi_ref, "step_000006"), tmp_path / ".tmp_step_000006")  # crashed mid-save
+    out = run_script("train_biencoder.py", bi_args(tiny_model_dir, small_train_file, tmp_path, "--max-steps", STEPS,
+                                                   "--resume", "auto"))
+    assert "step_000004: incomplete checkpoint (no meta.json), skipped" in out.stderr
+    assert "resumed from" in out.stdout and "step_000002 at step 2" in out.stdout
+    assert_same_run(bi_ref, tmp_path)
+
+
+class Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_tampered_pickle_is_refused_not_executed(bi_ref, tiny_model_dir, small_train_file, tmp_path):
+    ckpt_dir = tmp_path / "step_000002"
+    shutil.copytree(os.path.join(bi_ref, "step_000002"), ckpt_dir)
+    marker = tmp_path / "pwned"
+    with open(ckpt_dir / "optimizer.pt", "wb") as f:
+        pickle.dump(Payload(marker), f)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train_biencoder.py")] + [
+        str(a) for a in bi_args(tiny_model_dir, small_train_file, tmp_path / "r", "--max-steps", 4, "--resume", ckpt_dir)],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert f"{ckpt_dir / 'optimizer.pt'}: refusing to load" in out.stderr
+    assert not marker.exists()
+
+
+def test_non_finite_steps_are_skipped_and_never_saved(tiny_model_dir, small_train_file, tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train_biencoder.py")] + [
+        str(a) for a in bi_args(tiny_model_dir, small_train_file, tmp_path, "--max-steps", 20, "--lr", 1e10,
+                                "--ckpt-every", 1, "--keep-last", 0, "--max-bad-steps", 3)],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "3 steps in a row with a non-finite loss" in out.stderr
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["split"] == "train"]
+    assert rows[-1]["skipped_steps"] == 2 and rows[-1]["loss"] != rows[-1]["loss"]  # NaN logged, step skipped
+    saved = sorted(d for d in os.listdir(tmp_path) if d.startswith("step_"))
+    assert saved
+    for d in saved:
+        assert all(torch.isfinite(t).all() for t in load_file(str(tmp_path / d / "model.safetensors")).values())
