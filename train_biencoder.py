@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from retrieval_kit import ckpt, data, dist, log, optim, precision
+from retrieval_kit import ckpt, data, dist, evaluate, log, optim, precision
 from retrieval_kit.collate import collate_biencoder
 from retrieval_kit.losses import contrastive_loss, contrastive_scores
-from retrieval_kit.metrics import WindowedAverage, group_metric_sums
+from retrieval_kit.metrics import WindowedAverage, group_metric_sums, retrieval_metrics
 from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -68,6 +68,9 @@ def parse_args(argv=None):
     g.add_argument("--loss-avg-window", type=int, default=50, help="window of the smoothed loss")
     g.add_argument("--val-every", type=int, default=30, help="validate every N steps (and at step 0 and the end)")
     g.add_argument("--val-batch-size", type=int, default=32, help="queries per validation batch")
+    g.add_argument("--eval-beir", default="", help="BEIR folder for full-corpus retrieval evaluation at each "
+                   "validation (e.g. data/eval; default off: encoding a corpus is slow on CPU)")
+    g.add_argument("--eval-k", type=int, default=100, help="docs retrieved per query in --eval-beir (default 100)")
     ckpt.add_ckpt_args(p, output_dir="runs/biencoder")
     return p.parse_args(argv)
 
@@ -108,6 +111,7 @@ def main():
     # ----- data: read and validate everything before any model is loaded -----------------------
     records, warnings = data.read_records(args.train_file, args.n_passages)
     val_records = data.read_records(args.val_file, args.val_n_passages)[0] if args.val_file else []
+    beir = evaluate.load_beir(args.eval_beir) if args.eval_beir else None
     if args.val_max_groups:
         val_records = val_records[:args.val_max_groups]
     for w in warnings:
@@ -176,6 +180,9 @@ def main():
                 f"passages per step; {args.parallel}, storage {storage_dtype}, compute {compute_dtype or storage_dtype}")
 
     # ----- loop ----------------------------------------------------------------------------------
+    eval_settings = {"pooling": args.pooling, "normalize": args.normalize, "query_prefix": args.query_prefix,
+                     "passage_prefix": args.passage_prefix, "query_max_length": args.query_max_length,
+                     "passage_max_length": args.passage_max_length}  # also what the export saves
     B, n = args.batch_size, args.n_passages
     label_offset = ctx.rank * B * n if gather else 0
     order_epoch, order = -1, None
@@ -189,6 +196,12 @@ def main():
             logger.log(step, metrics, prefix="val")
             logger.write(f"step {step}: val loss {metrics['loss']:.4f} acc@1 {metrics['acc@1']:.4f} "
                          f"mrr {metrics['mrr']:.4f}")
+        if beir and not stopping and (step == start_step or step % args.val_every == 0 or last_step):
+            run = evaluate.retrieve(eval_model, tokenizer, eval_settings, beir, args.eval_k, args.val_batch_size,
+                                    ctx.device)
+            metrics = retrieval_metrics(run, beir[3])
+            logger.log(step, metrics, prefix="beir")
+            logger.write(f"step {step}: {args.eval_beir} " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         if step > start_step and (step % args.ckpt_every == 0 or last_step or stopping):
             epoch, pos = divmod(step * args.grad_accum_steps, spe)
             ckpt.save_checkpoint(args.output_dir, step, encoder, optimizer, scheduler,
@@ -260,10 +273,7 @@ def main():
 
     # ----- export --------------------------------------------------------------------------------
     final = ckpt.export_model(os.path.join(args.output_dir, "final"), encoder, tokenizer, {
-        "kind": "biencoder", "pooling": args.pooling, "normalize": args.normalize,
-        "query_prefix": args.query_prefix, "passage_prefix": args.passage_prefix,
-        "query_max_length": args.query_max_length, "passage_max_length": args.passage_max_length,
-        "temperature": args.temperature})
+        "kind": "biencoder", **eval_settings, "temperature": args.temperature})
     logger.close()
     dist.print0(f"exported {final}")
     dist.cleanup()

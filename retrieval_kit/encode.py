@@ -8,13 +8,16 @@ import torch
 from tqdm import tqdm
 
 from .collate import tokenize
-from .models import encode
+from .models import BiEncoder, encode
 
 
 @torch.no_grad()
 def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, pooling="avg",
                  normalize=True, device="cpu", progress=False, desc="encode"):
-    """Embed `texts` -> (N, H) float32 tensor on CPU, rows in the order of `texts`."""
+    """Embed `texts` -> (N, H) float32 tensor on CPU, rows in the order of `texts`.
+
+    `model` is an HF encoder (pooled with `pooling` / `normalize`) or a BiEncoder (its own settings).
+    """
     was_training = model.training
     model.eval()
     lengths = [len(t) for t in texts]  # characters are a cheap, good proxy for tokens
@@ -24,7 +27,10 @@ def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
     for s in tqdm(starts, desc=desc, disable=not progress):
         idx = order[s:s + batch_size]
         batch = tokenize(tokenizer, [texts[i] for i in idx], max_length, prefix).to(device)
-        reps = encode(model, batch, pooling, normalize).float().cpu()
+        if isinstance(model, BiEncoder):  # a (possibly FSDP2-sharded) BiEncoder: go through its forward
+            reps = model(p_batch=batch)[1].float().cpu()
+        else:
+            reps = encode(model, batch, pooling, normalize).float().cpu()
         for row, i in enumerate(idx):
             out[i] = reps[row]
     model.train(was_training)
@@ -53,3 +59,53 @@ def score_groups(model, tokenizer, queries, groups, settings, batch_size=16, dev
         out.append(model(batch.to(device)).float().view(-1, n).cpu())
     model.train(was_training)
     return torch.cat(out)
+
+
+def encode_sharded(model, tokenizer, texts, max_length, prefix="", batch_size=64, pooling="avg", normalize=True,
+                   device="cpu", progress=False, desc="encode"):
+    """encode_texts split over the ranks of the process group, gathered back in order on every rank."""
+    import torch.distributed as tdist
+
+    from .data import shard
+
+    world = tdist.get_world_size() if tdist.is_initialized() else 1
+    if world == 1:
+        return encode_texts(model, tokenizer, texts, max_length, prefix, batch_size, pooling, normalize, device,
+                            progress, desc)
+    rank = tdist.get_rank()
+    per = -(-len(texts) // world)
+    own = shard(texts, rank, world)
+    padded_texts = own + [texts[-1]] * (per - len(own))  # same batch count on every rank (FSDP2 forwards are collective)
+    mine = encode_texts(model, tokenizer, padded_texts, max_length, prefix, batch_size, pooling,
+                        normalize, device, progress and rank == 0, desc)[:len(own)]
+    dim = torch.tensor([mine.shape[1] if mine.numel() else 0], device=device)
+    tdist.all_reduce(dim, op=tdist.ReduceOp.MAX)
+    padded = torch.zeros(per, int(dim), device=device)
+    padded[:mine.shape[0]] = mine.to(device)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    tdist.all_gather(parts, padded)
+    sizes = [len(shard(texts, r, world)) for r in range(world)]
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)]).cpu()
+
+
+def exact_topk(q_emb, p_emb, k, query_chunk=256, corpus_chunk=8192):
+    """Exact top-k by inner product, never building the full (Q, P) score matrix.
+
+    Scores are computed for query_chunk x corpus_chunk blocks and merged into a running top-k.
+    Returns (scores (Q, k'), indices (Q, k')) with k' = min(k, P), best first.
+    """
+    k = min(k, p_emb.shape[0])
+    all_scores, all_idx = [], []
+    for qs in range(0, q_emb.shape[0], query_chunk):
+        q = q_emb[qs:qs + query_chunk]
+        best_s = torch.full((q.shape[0], 0), float("-inf"))
+        best_i = torch.zeros((q.shape[0], 0), dtype=torch.long)
+        for ps in range(0, p_emb.shape[0], corpus_chunk):
+            s = q @ p_emb[ps:ps + corpus_chunk].T  # (q, c)
+            cand_s = torch.cat([best_s, s], dim=1)
+            cand_i = torch.cat([best_i, torch.arange(ps, ps + s.shape[1]).expand(q.shape[0], -1)], dim=1)
+            top = cand_s.topk(min(k, cand_s.shape[1]), dim=1)
+            best_s, best_i = top.values, cand_i.gather(1, top.indices)
+        all_scores.append(best_s)
+        all_idx.append(best_i)
+    return torch.cat(all_scores), torch.cat(all_idx)

@@ -5,6 +5,7 @@ Group scores are (Q, n) with the positive in column 0. Ties are counted against 
 everything equally gets no credit.
 """
 
+import math
 from collections import deque
 
 import torch
@@ -49,3 +50,49 @@ class WindowedAverage:
 
     def load_state_dict(self, state):
         self.values = deque(state["values"], maxlen=state["window"])
+
+
+# ----- full-corpus retrieval metrics (trec_eval definitions) ------------------------------------
+
+def rank_docs(scores):
+    """Doc ids best first; ties broken by doc id, descending, as trec_eval does."""
+    return [d for d, _ in sorted(scores.items(), key=lambda x: (x[1], x[0]), reverse=True)]
+
+
+def query_metrics(ranked, rels, k_ndcg=10, k_mrr=10, recall_ks=(10, 100), k_map=100):
+    """Metrics of one query: `ranked` doc ids best first, `rels` {doc id: graded relevance}.
+
+    trec_eval definitions: nDCG@k with linear gain (rel / log2(rank + 1)) against the ideal
+    ordering of all judged-relevant docs; MRR@k = 1 / rank of the first relevant doc in the top k;
+    Recall@k = relevant docs in the top k / all relevant docs; MAP@k = sum of precision at each
+    relevant doc in the top k / all relevant docs. A doc is relevant when rel > 0; relevant docs
+    missing from the corpus still count in the denominators.
+    """
+    n_rel = sum(1 for r in rels.values() if r > 0)
+    out = {}
+    dcg = sum(rels.get(d, 0) / math.log2(i + 2) for i, d in enumerate(ranked[:k_ndcg]) if rels.get(d, 0) > 0)
+    ideal = sorted((r for r in rels.values() if r > 0), reverse=True)[:k_ndcg]
+    idcg = sum(r / math.log2(i + 2) for i, r in enumerate(ideal))
+    out[f"ndcg@{k_ndcg}"] = dcg / idcg if idcg > 0 else 0.0
+    first = next((i for i, d in enumerate(ranked[:k_mrr]) if rels.get(d, 0) > 0), None)
+    out[f"mrr@{k_mrr}"] = 0.0 if first is None else 1.0 / (first + 1)
+    for k in recall_ks:
+        hits = sum(1 for d in ranked[:k] if rels.get(d, 0) > 0)
+        out[f"recall@{k}"] = hits / n_rel if n_rel else 0.0
+    ap, hits = 0.0, 0
+    for i, d in enumerate(ranked[:k_map]):
+        if rels.get(d, 0) > 0:
+            hits += 1
+            ap += hits / (i + 1)
+    out[f"map@{k_map}"] = ap / n_rel if n_rel else 0.0
+    return out
+
+
+def retrieval_metrics(run, qrels, **kw):
+    """Mean over the queries that have qrels of `query_metrics`; `run` is {qid: {doc id: score}}.
+    A judged query missing from the run scores 0 (it retrieved nothing)."""
+    per_query = {qid: query_metrics(rank_docs(run.get(qid, {})), rels, **kw) for qid, rels in qrels.items()}
+    if not per_query:
+        raise ValueError("no query has qrels")
+    keys = next(iter(per_query.values())).keys()
+    return {k: sum(m[k] for m in per_query.values()) / len(per_query) for k in keys}

@@ -29,15 +29,85 @@ def mine_hard_negatives(q_emb, p_emb, positives, k, skip_top=0, max_score_ratio=
             limit = float("inf") if max_score_ratio is None else max_score_ratio * max(scores[row, j].item() for j in pos)
             negs, seen = [], 0
             for score, j in zip(top_scores[row].tolist(), top_idx[row].tolist()):
-                if j in pos:
-                    continue
+                if j in pos or (p_texts is not None and p_texts[j] in pos_texts):
+                    continue  # a positive, or its exact duplicate: not a candidate at all
                 seen += 1
                 if seen <= skip_top or score > limit:
-                    continue
-                if p_texts is not None and p_texts[j] in pos_texts:
                     continue
                 negs.append(j)
                 if len(negs) == k:
                     break
             out.append(negs)
     return out
+
+
+def main(argv=None):
+    """Mine hard negatives for training JSONL (query + positives) from a corpus; write training JSONL.
+
+        python -m retrieval_kit.mine --input queries.jsonl --corpus corpus.jsonl --out train.jsonl \\
+            --model runs/biencoder/final --k 7 --skip-top 0 --max-score-ratio 0.95
+
+    --input: JSONL with `query` and `pos_doc` (the training format; existing `neg_doc` is replaced).
+    --corpus: BEIR corpus.jsonl of candidates (default: the positives of --input themselves).
+    """
+    import argparse
+    import json
+
+    from transformers import AutoTokenizer
+
+    from . import dist
+    from .data import read_records
+    from .encode import encode_sharded
+    from .evaluate import _read_jsonl, biencoder_settings
+    from .models import default_model_dir, load_encoder
+
+    ap = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--input", required=True, help="JSONL with query and pos_doc")
+    ap.add_argument("--corpus", default=None, help="BEIR corpus.jsonl of candidate passages")
+    ap.add_argument("--out", required=True, help="training JSONL to write")
+    ap.add_argument("--model", default=None, help="bi-encoder dir (default: the bundled all-MiniLM-L6-v2)")
+    ap.add_argument("--k", type=int, default=7, help="hard negatives per query (default 7)")
+    ap.add_argument("--skip-top", type=int, default=0, help="skip this many top-ranked non-positives (default 0)")
+    ap.add_argument("--max-score-ratio", type=float, default=0.95,
+                    help="drop candidates scoring above this fraction of the positive's score (default 0.95; "
+                         "<= 0 turns the filter off)")
+    ap.add_argument("--depth", type=int, default=200, help="candidates considered per query (default 200)")
+    ap.add_argument("--batch-size", type=int, default=64, help="texts per encoding batch")
+    ap.add_argument("--query-max-length", type=int, default=32, help="for a plain HF dir")
+    ap.add_argument("--passage-max-length", type=int, default=128, help="for a plain HF dir")
+    args = ap.parse_args(argv)
+
+    ctx = dist.init()
+    records, _ = read_records(args.input)
+    texts = [str((d.get("title") or "") + " " + d["text"]).strip() for d in _read_jsonl(args.corpus, ("_id", "text"))] \
+        if args.corpus else []
+    index = {t: i for i, t in enumerate(texts)}
+    for r in records:  # positives join the candidate pool, so they can be recognised and skipped
+        for p in r.pos:
+            if p not in index:
+                index[p] = len(texts)
+                texts.append(p)
+    model_dir = args.model or default_model_dir()
+    defaults = {"pooling": "avg", "normalize": True, "query_prefix": "", "passage_prefix": "",
+                "query_max_length": args.query_max_length, "passage_max_length": args.passage_max_length}
+    s = biencoder_settings(model_dir, defaults)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    enc = load_encoder(model_dir).to(ctx.device)
+    p_emb = encode_sharded(enc, tok, texts, s["passage_max_length"], s["passage_prefix"], args.batch_size,
+                           s["pooling"], s["normalize"], ctx.device, ctx.is_main, "corpus")
+    q_emb = encode_sharded(enc, tok, [r.query for r in records], s["query_max_length"], s["query_prefix"],
+                           args.batch_size, s["pooling"], s["normalize"], ctx.device, ctx.is_main, "queries")
+    negs = mine_hard_negatives(q_emb, p_emb, [[index[p] for p in r.pos] for r in records], args.k, args.skip_top,
+                               args.max_score_ratio if args.max_score_ratio > 0 else None, texts, args.depth)
+    if ctx.is_main:
+        with open(args.out, "w", encoding="utf-8") as f:
+            for r, n in zip(records, negs):
+                f.write(json.dumps({"query": r.query, "pos_doc": r.pos, "neg_doc": [texts[j] for j in n]},
+                                   ensure_ascii=False) + "\n")
+        short = sum(len(n) < args.k for n in negs)
+        print(f"wrote {len(records)} records to {args.out} ({short} with fewer than {args.k} negatives)")
+    dist.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -201,6 +201,17 @@ def main():
                                          "loss_diff": abs(dist.reduce_mean({"l": d_loss})["l"] - r_loss),
                                          "rank_spread": rank_spread(d_net)}
 
+    # ----- corpus encoding split over ranks equals one process --------------------------------------
+    from retrieval_kit.encode import encode_sharded, encode_texts
+    texts = [t for r in records[:37] for t in r.pos][:37]  # 37: the shards differ in size
+    whole = encode_texts(enc0, tok, texts, 48, batch_size=8)
+    split = encode_sharded(enc0, tok, texts, 48, batch_size=8)
+    results["sharded_encoding"] = {"max_diff": (whole - split).abs().max().item(), "rows": split.shape[0]}
+    fsdp_enc = copy.deepcopy(enc0)
+    fsdp_model = dist.wrap_fsdp2(BiEncoder(fsdp_enc), dist.transformer_layers(fsdp_enc))
+    results["sharded_encoding_fsdp2"] = {
+        "max_diff": (whole - encode_sharded(fsdp_model, tok, texts, 48, batch_size=8)).abs().max().item()}
+
     # ----- saved keys do not depend on the wrapper ------------------------------------------------
     keys = {}
     for wrap in ("none", "ddp", "fsdp2", "compile"):

@@ -57,3 +57,9 @@ def test_saved_keys_do_not_depend_on_the_wrapper(results):
     assert results["keys_identical"]["ok"]
     for wrap in ("none", "ddp", "fsdp2", "compile"):
         assert results[f"keys_{wrap}"]["value_diff"] == 0.0
+
+
+def test_sharded_corpus_encoding_equals_one_process(results):
+    assert results["sharded_encoding"]["rows"] == 37
+    assert results["sharded_encoding"]["max_diff"] < 1e-5
+    assert results["sharded_encoding_fsdp2"]["max_diff"] < 1e-5  # through the sharded BiEncoder's forward

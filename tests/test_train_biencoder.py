@@ -50,13 +50,15 @@ def test_short_run_loss_falls_and_leaves_a_complete_run_folder(tiny_model_dir, s
 def test_two_ranks_under_torchrun(tiny_model_dir, small_train_file, tmp_path):
     out = tmp_path / "run2"
     run_script("train_biencoder.py", common_args(tiny_model_dir, small_train_file, out) +
-               ["--max-steps", "3", "--val-every", "3", "--ckpt-every", "3"], nproc=2)
+               ["--max-steps", "3", "--val-every", "3", "--ckpt-every", "3", "--eval-beir",
+                os.path.join(ROOT, "data", "eval"), "--eval-k", "10"], nproc=2)
     header = json.loads((out / "run_header.json").read_text())
     assert header["world_size"] == 2 and header["gather_negatives"] is True
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows if r["split"] == "train"] == [1, 2, 3]
-    # with gathered negatives each query sees 2 ranks x 8 queries x 2 passages
     assert os.path.isfile(out / "step_000003" / "rng_rank1.pt")
+    beir = [r for r in rows if r["split"] == "beir"]  # full-corpus retrieval at each validation
+    assert [r["step"] for r in beir] == [0, 3] and all(0 <= r["ndcg@10"] <= 1 for r in beir)
     AutoModel.from_pretrained(out / "final")
 
 

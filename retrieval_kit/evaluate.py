@@ -1,0 +1,164 @@
+"""Full-corpus retrieval evaluation on a BEIR-layout set, optionally with a reranking stage.
+
+    python -m retrieval_kit.evaluate --model runs/biencoder/final --beir data/eval
+    python -m retrieval_kit.evaluate --model runs/biencoder/final --beir data/eval \\
+        --reranker runs/reranker/final --rerank-top-k 20
+    torchrun --nproc_per_node=2 -m retrieval_kit.evaluate --model ... --beir ...   # corpus split over ranks
+
+The corpus is encoded sorted by length in batches, split over ranks under torchrun; search is
+exact (inner product) in chunks, so the full query x corpus score matrix is never built. Metrics
+follow trec_eval: nDCG@10, MRR@10, Recall@10, Recall@100, MAP@100, graded qrels honoured.
+Model dirs exported by the scripts bring their pooling, normalization, prefixes, max lengths and
+reranker tokenization (retrieval_kit.json); a plain HF dir gets the flags' values.
+"""
+
+import argparse
+import json
+import os
+
+import torch
+from transformers import AutoTokenizer
+
+from . import ckpt, dist
+from .data import DataError, shard
+from .encode import encode_sharded, exact_topk, score_groups
+from .metrics import rank_docs, retrieval_metrics
+from .models import default_model_dir, load_encoder
+
+
+def _read_jsonl(path, required):
+    rows, problems = [], []
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"{path}: cannot open ({e.strerror})") from None
+    with f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                problems.append(f"{path}:{lineno}: invalid JSON ({e.msg})")
+                continue
+            missing = [k for k in required if not isinstance(obj, dict) or k not in obj]
+            if missing:
+                problems.append(f"{path}:{lineno}: missing field {missing[0]!r}")
+                continue
+            rows.append(obj)
+    if problems:
+        raise DataError(f"{len(problems)} problem(s) in {path}:\n" + "\n".join(problems[:50]))
+    return rows
+
+
+def load_beir(beir_dir, split="test"):
+    """(corpus_ids, corpus_texts, queries {qid: text}, qrels {qid: {doc id: rel}}) of a BEIR folder.
+    A doc's text is its title and text joined by a space, as BEIR's dense baselines do."""
+    corpus = _read_jsonl(os.path.join(beir_dir, "corpus.jsonl"), ("_id", "text"))
+    ids = [str(d["_id"]) for d in corpus]
+    texts = [(str(d.get("title") or "") + " " + str(d["text"])).strip() for d in corpus]
+    queries = {str(q["_id"]): str(q["text"]) for q in _read_jsonl(os.path.join(beir_dir, "queries.jsonl"), ("_id", "text"))}
+    qrels, path = {}, os.path.join(beir_dir, "qrels", f"{split}.tsv")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            parts = line.rstrip("\n").split("\t")
+            if lineno == 1 and parts[0] == "query-id":
+                continue
+            if len(parts) != 3 or not parts[2].lstrip("-").isdigit():
+                raise DataError(f"{path}:{lineno}: expected 'query-id<TAB>corpus-id<TAB>integer score'")
+            if parts[0] not in queries:
+                raise DataError(f"{path}:{lineno}: query-id {parts[0]!r} is not in queries.jsonl")
+            qrels.setdefault(parts[0], {})[parts[1]] = int(parts[2])
+    return ids, texts, queries, qrels
+
+
+def biencoder_settings(model_dir, defaults):
+    """Saved settings of an exported bi-encoder, else `defaults` (for a plain HF dir)."""
+    saved = ckpt.load_settings(model_dir)
+    keys = ("pooling", "normalize", "query_prefix", "passage_prefix", "query_max_length", "passage_max_length")
+    return {k: saved.get(k, defaults[k]) for k in keys}
+
+
+def retrieve(model, tokenizer, settings, beir, k=100, batch_size=64, device="cpu", progress=False):
+    """Bi-encoder stage: {qid: {doc id: score}} with each judged query's top k docs."""
+    ids, texts, queries, qrels = beir
+    qids = [q for q in queries if q in qrels]
+    p_emb = encode_sharded(model, tokenizer, texts, settings["passage_max_length"], settings["passage_prefix"],
+                           batch_size, settings["pooling"], settings["normalize"], device, progress, "corpus")
+    q_emb = encode_sharded(model, tokenizer, [queries[q] for q in qids], settings["query_max_length"],
+                           settings["query_prefix"], batch_size, settings["pooling"], settings["normalize"], device,
+                           progress, "queries")
+    scores, idx = exact_topk(q_emb, p_emb, k)
+    return {q: {ids[j]: s for s, j in zip(scores[i].tolist(), idx[i].tolist())} for i, q in enumerate(qids)}
+
+
+def rerank(run, model, tokenizer, settings, beir, top_k=20, batch_size=16, device="cpu"):
+    """Second stage: rescore each query's top_k with a cross-encoder; the rest keep their order below.
+    Queries are split over ranks and the runs gathered."""
+    import torch.distributed as tdist
+
+    ids, texts, queries, _ = beir
+    text_of = dict(zip(ids, texts))
+    world = tdist.get_world_size() if tdist.is_initialized() else 1
+    rank = tdist.get_rank() if tdist.is_initialized() else 0
+    mine = {}
+    for qid in shard(sorted(run), rank, world):
+        ranked = rank_docs(run[qid])
+        head, tail = ranked[:top_k], ranked[top_k:]
+        s = score_groups(model, tokenizer, [queries[qid]], [[text_of[d] for d in head]], settings, batch_size, device)[0]
+        order = [head[i] for i in s.argsort(descending=True).tolist()] + tail
+        mine[qid] = {d: float(len(order) - i) for i, d in enumerate(order)}  # distinct, decreasing
+    if world == 1:
+        return mine
+    parts = [None] * world
+    tdist.all_gather_object(parts, mine)
+    return {q: r for part in parts for q, r in part.items()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="bi-encoder dir (default: the bundled all-MiniLM-L6-v2)")
+    ap.add_argument("--beir", default="data/eval", help="BEIR folder: corpus.jsonl, queries.jsonl, qrels/")
+    ap.add_argument("--split", default="test", help="qrels file name under qrels/ (default test)")
+    ap.add_argument("--k", type=int, default=100, help="docs retrieved per query (default 100)")
+    ap.add_argument("--batch-size", type=int, default=64, help="texts per encoding batch")
+    ap.add_argument("--pooling", default="avg", help="for a plain HF dir (exports bring their own)")
+    ap.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True, help="for a plain HF dir")
+    ap.add_argument("--query-prefix", default="", help="for a plain HF dir")
+    ap.add_argument("--passage-prefix", default="", help="for a plain HF dir")
+    ap.add_argument("--query-max-length", type=int, default=32, help="for a plain HF dir")
+    ap.add_argument("--passage-max-length", type=int, default=128, help="for a plain HF dir")
+    ap.add_argument("--reranker", default=None, help="exported reranker dir for a second stage (optional)")
+    ap.add_argument("--rerank-top-k", type=int, default=20, help="docs per query the reranker rescores")
+    ap.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dirs")
+    ap.add_argument("--output", default=None, help="write the metrics as JSON here")
+    args = ap.parse_args(argv)
+
+    ctx = dist.init()
+    beir = load_beir(args.beir, args.split)
+    model_dir = args.model or default_model_dir()
+    settings = biencoder_settings(model_dir, vars(args))
+    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
+    enc = load_encoder(model_dir, torch.float32, args.trust_remote_code).to(ctx.device)
+    run = retrieve(enc, tok, settings, beir, args.k, args.batch_size, ctx.device, progress=ctx.is_main)
+    results = {"biencoder": retrieval_metrics(run, beir[3])}
+    if args.reranker:
+        rr, rr_tok, rr_settings = ckpt.load_exported_reranker(args.reranker, torch.float32, args.trust_remote_code)
+        run2 = rerank(run, rr.to(ctx.device), rr_tok, rr_settings, beir, args.rerank_top_k, device=ctx.device)
+        results[f"biencoder+reranker@{args.rerank_top_k}"] = retrieval_metrics(run2, beir[3])
+    if ctx.is_main:
+        n_q, n_d = len(beir[3]), len(beir[0])
+        print(f"{args.beir}: {n_q} judged queries, {n_d} docs; model {model_dir}")
+        keys = list(results["biencoder"])
+        print(f"{'stage':28}" + "".join(f"{k:>11}" for k in keys))
+        for stage, m in results.items():
+            print(f"{stage:28}" + "".join(f"{m[k]:11.4f}" for k in keys))
+        if args.output:
+            with open(args.output, "w") as f:
+                json.dump({"model": model_dir, "reranker": args.reranker, **results}, f, indent=2)
+    dist.cleanup()
+    return results
+
+
+if __name__ == "__main__":
+    main()
