@@ -21,11 +21,13 @@ from transformers import AutoTokenizer
 
 from retrieval_kit import ckpt, data, dist, evaluate, log, optim, precision
 from retrieval_kit.collate import collate_biencoder
+from retrieval_kit.encode import grad_cache_biencoder
 from retrieval_kit.losses import contrastive_loss, contrastive_scores
 from retrieval_kit.metrics import WindowedAverage, group_metric_sums, retrieval_metrics
 from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+CHUNK_TOKENS = 1024  # measured faster on the default model and data (README, Benchmark)
 
 
 def parse_args(argv=None):
@@ -43,6 +45,9 @@ def parse_args(argv=None):
     g.add_argument("--query-prefix", default="", help='prepended to each query, e.g. "query: " for E5 models')
     g.add_argument("--passage-prefix", default="", help='prepended to each passage, e.g. "passage: "')
     g.add_argument("--pad-to-multiple-of", type=int, default=8, help="round padded lengths up to this (0 = off)")
+    g.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS,
+                   help="encode each batch in length-sorted chunks of at most this many padded tokens, each "
+                        f"padded only to its own longest row; same loss and grads (0 = off; default {CHUNK_TOKENS})")
 
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="HF model dir (default: the bundled all-MiniLM-L6-v2)")
@@ -56,6 +61,9 @@ def parse_args(argv=None):
                    help="softmax temperature on similarities (default 0.05 = scale 20, the value MiniLM was trained with)")
     g.add_argument("--in-batch-negatives", action=argparse.BooleanOptionalAction, default=True,
                    help="score each query against every passage in the batch, not only its own group (default on)")
+    g.add_argument("--grad-cache", action="store_true",
+                   help="GradCache: embed the batch without a graph, then re-encode chunk by chunk (--chunk-tokens) "
+                        "backpropagating cached embedding grads; same loss and grads, memory flat in batch size")
     g.add_argument("--gather-negatives", action=argparse.BooleanOptionalAction, default=None,
                    help="use passages from all ranks as negatives (default: on when world > 1)")
 
@@ -121,6 +129,9 @@ def main():
         raise SystemExit(f"{args.train_file}: {len(records)} records are fewer than one global batch "
                          f"({args.batch_size} x {ctx.world_size} ranks)")
     gather = args.gather_negatives if args.gather_negatives is not None else ctx.world_size > 1
+    if args.grad_cache and args.static_graph:
+        raise SystemExit("--grad-cache runs several forward/backward passes per step, which DDP's --static-graph "
+                         "does not allow; drop one of them")
 
     # ----- model in the storage dtype ------------------------------------------------------------
     storage_dtype = precision.resolve_storage_dtype(args.torch_dtype, args.force_fp32_params)
@@ -142,7 +153,7 @@ def main():
     if args.compile:
         for layer in dist.transformer_layers(encoder):
             layer.compile()  # in place: no `_orig_mod.` in any key
-    model = BiEncoder(encoder, args.pooling, args.normalize)
+    model = BiEncoder(encoder, args.pooling, args.normalize, args.chunk_tokens)
     if args.parallel == "fsdp2":
         model = dist.wrap_fsdp2(model, dist.transformer_layers(encoder), precision.mp_policy(compute_dtype),
                                 args.reshard_after_forward)
@@ -224,12 +235,24 @@ def main():
                 args.passage_max_length, args.query_prefix, args.passage_prefix, args.pad_to_multiple_of)
             n_tokens += int(q_batch["attention_mask"].sum() + p_batch["attention_mask"].sum())
             sync = micro == args.grad_accum_steps - 1
-            with dist.grad_sync(model, sync):
+            if args.grad_cache:  # re-encode chunk by chunk with cached embedding grads: flat memory
+                cached = {}
+
+                def loss_fn(q, p):
+                    cached["p_all"] = dist.gather_with_grad(p) if gather else p  # (W*B*n, H)
+                    return contrastive_loss(q, cached["p_all"], n, args.temperature, args.in_batch_negatives,
+                                            label_offset) / args.grad_accum_steps
                 with precision.autocast(ctx.device.type, autocast_dtype):
-                    q, p = model(q_batch.to(ctx.device), p_batch.to(ctx.device))  # (B, H), (B*n, H)
-                p_all = dist.gather_with_grad(p) if gather else p  # (W*B*n, H) with grads
-                loss = contrastive_loss(q, p_all, n, args.temperature, args.in_batch_negatives, label_offset)
-                (loss / args.grad_accum_steps).backward()
+                    loss, q, _ = grad_cache_biencoder(model, q_batch.to(ctx.device), p_batch.to(ctx.device), loss_fn,
+                                                      args.chunk_tokens, sync)
+                loss, p_all = loss * args.grad_accum_steps, cached["p_all"].detach()
+            else:
+                with dist.grad_sync(model, sync):
+                    with precision.autocast(ctx.device.type, autocast_dtype):
+                        q, p = model(q_batch.to(ctx.device), p_batch.to(ctx.device))  # (B, H), (B*n, H)
+                    p_all = dist.gather_with_grad(p) if gather else p  # (W*B*n, H) with grads
+                    loss = contrastive_loss(q, p_all, n, args.temperature, args.in_batch_negatives, label_offset)
+                    (loss / args.grad_accum_steps).backward()
             loss_sum += loss.item()
             with torch.no_grad():
                 scores = contrastive_scores(q, p_all, n, args.in_batch_negatives)

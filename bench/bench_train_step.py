@@ -8,13 +8,13 @@ temperature 0.05), grad clipping and fused AdamW. The kit side is the step of tr
 (DDP-wrapped BiEncoder in a world of 1, collate_biencoder, contrastive_loss through the gather,
 clip, step, scheduler, reduced logging); the bare side is tokenizer -> model -> mean pool ->
 cross_entropy -> backward -> clip -> step. Steps alternate kit / bare so drift hits both alike.
-Peak memory (max RSS) is measured in a separate process per side.
+Peak memory is the RSS high-water mark of the training steps (reset after loading), measured in a
+separate process per side.
 """
 
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -46,7 +46,7 @@ def batches(args):
 
 def make_kit(model_dir, args, ctx):
     enc = load_encoder(model_dir)
-    model = dist.wrap_ddp(BiEncoder(enc, "avg", True), ctx)
+    model = dist.wrap_ddp(BiEncoder(enc, "avg", True, args.chunk_tokens), ctx)
     opt = optim.build_optimizer(optim.param_groups(enc, 0.01), 1e-5)
     sched = optim.build_scheduler(opt, 0, 1000)
     avg = WindowedAverage(50)
@@ -90,8 +90,15 @@ def make_bare(model_dir, args):
     return step
 
 
+def reset_peak_rss():
+    """Reset the kernel's high-water mark of this process's RSS (VmHWM), so the peak is the steps' own."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def peak_rss_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def main():
@@ -102,6 +109,7 @@ def main():
     ap.add_argument("--n-passages", type=int, default=2)
     ap.add_argument("--query-max-length", type=int, default=32)
     ap.add_argument("--passage-max-length", type=int, default=128)
+    ap.add_argument("--chunk-tokens", type=int, default=0, help="the kit's --chunk-tokens (0 = off)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
     ap.add_argument("--only", choices=("kit", "bare"), help="(internal) run one side and print its peak RSS")
@@ -114,6 +122,7 @@ def main():
 
     if args.only:
         step = make_kit(model_dir, args, ctx) if args.only == "kit" else make_bare(model_dir, args)
+        reset_peak_rss()  # loading has its own peak; measure the training steps
         for queries, groups in work[:args.warmup + 2]:
             step(tok, queries, groups)
         print(json.dumps({"peak_rss_mb": peak_rss_mb()}))
@@ -135,7 +144,7 @@ def main():
         mem[side] = json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
     print(f"model {model_dir}\nbatch {args.batch_size} queries x {args.n_passages} passages, "
           f"max lengths {args.query_max_length}/{args.passage_max_length}, {args.steps} timed steps per side, "
-          f"threads {torch.get_num_threads()}")
+          f"threads {torch.get_num_threads()}, kit --chunk-tokens {args.chunk_tokens}")
     print(f"{'':6} {'median step s':>14} {'samples/s':>10} {'peak RSS MB':>12}")
     for side in ("bare", "kit"):
         print(f"{side:6} {med[side]:14.3f} {args.batch_size / med[side]:10.2f} {mem[side]:12.0f}")

@@ -8,7 +8,7 @@ import torch
 from tqdm import tqdm
 
 from .collate import tokenize
-from .models import BiEncoder, encode
+from .models import BiEncoder, encode, length_chunks
 
 
 @torch.no_grad()
@@ -109,3 +109,80 @@ def exact_topk(q_emb, p_emb, k, query_chunk=256, corpus_chunk=8192):
         all_scores.append(best_s)
         all_idx.append(best_i)
     return torch.cat(all_scores), torch.cat(all_idx)
+
+
+def _rng_state():
+    return torch.get_rng_state(), (torch.cuda.get_rng_state() if torch.cuda.is_available() else None)
+
+
+def _set_rng_state(state):
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+
+
+def grad_cache_biencoder(model, q_batch, p_batch, loss_fn, chunk_tokens, sync=True):
+    """One forward/backward of a bi-encoder batch with GradCache (Gao et al., 2021), returning
+    (loss, q, p) with the parameter gradients accumulated as plain backward would leave them.
+
+    1. Embed every length chunk without a graph, recording the RNG state before each chunk.
+    2. loss_fn(q, p) on those embeddings (gathers included), backward to d loss / d embeddings.
+    3. Re-embed chunk by chunk with a graph, replaying each chunk's RNG state (same dropout), and
+       backpropagate the cached embedding gradients. Only one chunk's activations live at a time,
+       so memory stays flat as the batch grows.
+    `model` is the wrapped BiEncoder: gradients sync only on the last chunk's backward (when `sync`).
+    """
+    from .dist import grad_sync, unwrap
+
+    def plan(batch):
+        chunks = length_chunks(batch["attention_mask"], chunk_tokens)
+        return [(list(range(batch["attention_mask"].shape[0])), None)] if chunks is None else chunks[0]
+
+    def sub(batch, idx, width, left):
+        if width is None:
+            return batch
+        full = batch["attention_mask"].shape[1]
+        cols = slice(full - width, full) if left else slice(0, width)
+        ix = torch.tensor(idx, device=batch["input_ids"].device)
+        out = {k: v[ix][:, cols] for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
+        if left:
+            out["position_ids"] = torch.arange(full, device=ix.device)[cols].expand(len(idx), -1)
+        return out
+
+    inner = unwrap(model)
+    inner_chunk, inner.chunk_tokens = inner.chunk_tokens, 0  # chunks are cut here, not again inside
+    try:
+        work = []  # (side, rows, sub-batch, rng state)
+        for side, batch in (("q", q_batch), ("p", p_batch)):
+            left = bool((batch["attention_mask"][:, 0] == 0).any())
+            for idx, width in plan(batch):
+                work.append((side, idx, sub(batch, idx, width, left)))
+        reps, states = {"q": [], "p": []}, []
+        with torch.no_grad():
+            for side, idx, b in work:
+                states.append(_rng_state())
+                out = model(q_batch=b) if side == "q" else model(p_batch=b)
+                reps[side].append((idx, out[0] if side == "q" else out[1]))
+        full = {}
+        for side, batch in (("q", q_batch), ("p", p_batch)):
+            n = batch["attention_mask"].shape[0]
+            rows = [i for idx, _ in reps[side] for i in idx]
+            inverse = torch.empty(n, dtype=torch.long)
+            inverse[torch.tensor(rows)] = torch.arange(n)
+            full[side] = torch.cat([r for _, r in reps[side]])[inverse.to(reps[side][0][1].device)]
+            full[side].requires_grad_(True)
+        loss = loss_fn(full["q"], full["p"])
+        loss.backward()
+        grads = {side: full[side].grad for side in full}
+        after = _rng_state()
+        for i, ((side, idx, b), state) in enumerate(zip(work, states)):
+            _set_rng_state(state)
+            with grad_sync(model, sync and i == len(work) - 1):
+                out = model(q_batch=b) if side == "q" else model(p_batch=b)
+                r = out[0] if side == "q" else out[1]
+                ix = torch.tensor(idx, device=r.device)
+                (r * grads[side][ix]).sum().backward()  # d loss / d params through this chunk's embeddings
+        _set_rng_state(after)
+    finally:
+        inner.chunk_tokens = inner_chunk
+    return loss.detach(), full["q"].detach(), full["p"].detach()

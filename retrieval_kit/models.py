@@ -52,10 +52,55 @@ def pool(hidden, attention_mask, mode):
 
 def encode(model, batch, pooling="avg", normalize=True):
     """Run the encoder on a tokenized batch and return (B, H) embeddings."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                **({"token_type_ids": batch["token_type_ids"]} if "token_type_ids" in batch else {}))
+    extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra)
     reps = pool(out.last_hidden_state, batch["attention_mask"], pooling)
     return F.normalize(reps, dim=-1) if normalize else reps
+
+
+def length_chunks(attention_mask, chunk_tokens):
+    """Split a padded batch into chunks of similar length: rows sorted longest first, each chunk
+    holding as many rows as fit in `chunk_tokens` padded tokens (its longest row x its rows).
+    Returns ([(row indices, chunk width), ...], left padded?), or None when chunking is off."""
+    lengths = attention_mask.sum(dim=1)
+    if chunk_tokens <= 0 or attention_mask.shape[0] <= 1:
+        return None
+    order = torch.argsort(lengths, descending=True, stable=True).tolist()
+    chunks, start = [], 0
+    while start < len(order):
+        width = max(int(lengths[order[start]]), 1)
+        rows = max(1, chunk_tokens // width)
+        chunks.append(order[start:start + rows])
+        start += rows
+    left = bool((attention_mask[:, 0] == 0).any())
+    return [(idx, max(int(lengths[idx].max()), 1)) for idx in chunks], left
+
+
+def run_chunked(fn, batch, chunk_tokens):
+    """fn(sub_batch) -> (rows, ...) tensor, applied per length chunk and put back in batch order.
+
+    Each chunk is cut to its own longest row (from the right for right padding, from the left for
+    left padding, with the position ids the full batch would have had), so the padding work goes
+    but every row's result is the one the whole batch gives.
+    """
+    plan = length_chunks(batch["attention_mask"], chunk_tokens)
+    if plan is None:
+        return fn(batch)
+    chunks, left = plan
+    full_width = batch["attention_mask"].shape[1]
+    outs, rows = [], []
+    for idx, width in chunks:
+        cols = slice(full_width - width, full_width) if left else slice(0, width)
+        ix = torch.tensor(idx, device=batch["input_ids"].device)
+        sub = {k: v[ix][:, cols] for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
+        if left:
+            pos = torch.arange(full_width, device=ix.device)[cols]
+            sub["position_ids"] = pos.expand(len(idx), -1)
+        outs.append(fn(sub))
+        rows.extend(idx)
+    inverse = torch.empty(len(rows), dtype=torch.long)
+    inverse[torch.tensor(rows)] = torch.arange(len(rows))
+    return torch.cat(outs)[inverse.to(outs[0].device)]
 
 
 class BiEncoder(torch.nn.Module):
@@ -65,15 +110,19 @@ class BiEncoder(torch.nn.Module):
     Save and export `.encoder`: its keys are the Hugging Face ones.
     """
 
-    def __init__(self, encoder, pooling="avg", normalize=True):
+    def __init__(self, encoder, pooling="avg", normalize=True, chunk_tokens=0):
         super().__init__()
         if pooling not in POOLING_MODES:
             raise ValueError(f"unknown pooling {pooling!r}; choose one of {POOLING_MODES}")
-        self.encoder, self.pooling, self.normalize = encoder, pooling, normalize
+        self.encoder, self.pooling, self.normalize, self.chunk_tokens = encoder, pooling, normalize, chunk_tokens
+
+    def embed(self, batch):
+        """(rows, H) embeddings; with chunk_tokens, encoded in length-sorted chunks (same result)."""
+        return run_chunked(lambda b: encode(self.encoder, b, self.pooling, self.normalize), batch, self.chunk_tokens)
 
     def forward(self, q_batch=None, p_batch=None):
-        q = encode(self.encoder, q_batch, self.pooling, self.normalize) if q_batch is not None else None
-        p = encode(self.encoder, p_batch, self.pooling, self.normalize) if p_batch is not None else None
+        q = self.embed(q_batch) if q_batch is not None else None
+        p = self.embed(p_batch) if p_batch is not None else None
         return q, p
 
 
@@ -143,19 +192,23 @@ class CrossEncoder(torch.nn.Module):
     linear head. Save and export `.model`.
     """
 
-    def __init__(self, model, pooling="native"):
+    def __init__(self, model, pooling="native", chunk_tokens=0):
         super().__init__()
         if pooling not in RERANK_POOLING:
             raise ValueError(f"unknown pooling {pooling!r}; choose one of {RERANK_POOLING}")
-        self.model, self.pooling = model, pooling
+        self.model, self.pooling, self.chunk_tokens = model, pooling, chunk_tokens
         if pooling != "native":
             rerank_head(model)  # fail now, not at the first step
             if getattr(model.base_model, "pooler", None) is not None:
                 model.base_model.pooler.requires_grad_(False)  # unused: would stall DDP
 
-    def forward(self, batch):
+    def score(self, batch):
+        extra = {k: batch[k] for k in ("position_ids",) if k in batch}
         if self.pooling == "native":
-            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.view(-1)
-        hidden = self.model.base_model(input_ids=batch["input_ids"],
-                                       attention_mask=batch["attention_mask"]).last_hidden_state
-        return rerank_head(self.model)(pool(hidden, batch["attention_mask"], self.pooling)).view(-1)  # (n_pairs,)
+            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits.view(-1)
+        hidden = self.model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                       **extra).last_hidden_state
+        return rerank_head(self.model)(pool(hidden, batch["attention_mask"], self.pooling)).view(-1)
+
+    def forward(self, batch):
+        return run_chunked(self.score, batch, self.chunk_tokens)  # (n_pairs,)

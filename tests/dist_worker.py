@@ -20,6 +20,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from retrieval_kit import ckpt, data, dist, optim, precision  # noqa: E402
 from retrieval_kit.collate import collate_biencoder, collate_rerank  # noqa: E402
+from retrieval_kit.encode import grad_cache_biencoder  # noqa: E402
 from retrieval_kit.losses import contrastive_loss, listwise_loss  # noqa: E402
 from retrieval_kit.models import BiEncoder, CrossEncoder, load_encoder, load_reranker  # noqa: E402
 
@@ -49,12 +50,20 @@ def full_grads(module):
     return out
 
 
-def bi_step(model, opt, tok, queries, groups, gather, label_offset, max_norm, use_buckets=False, accum=1, grads=None):
+def bi_step(model, opt, tok, queries, groups, gather, label_offset, max_norm, use_buckets=False, accum=1, grads=None,
+            grad_cache=0):
     """One optimizer step over `accum` micro-batches of this rank's queries; returns (mean loss, grad norm)."""
     per = len(queries) // accum
     total = 0.0
     for m in range(accum):
         qb, pb = collate_biencoder(tok, queries[m * per:(m + 1) * per], groups[m * per:(m + 1) * per], 16, 32)
+        if grad_cache:
+            def loss_fn(q, p):
+                p_all = dist.gather_with_grad(p) if gather else p
+                return contrastive_loss(q, p_all, N, TEMP, True, label_offset(per) if gather else 0) / accum
+            loss, _, _ = grad_cache_biencoder(model, qb, pb, loss_fn, grad_cache, sync=m == accum - 1)
+            total += loss.item()
+            continue
         with dist.grad_sync(model, m == accum - 1):
             q, p = model(qb, pb)
             p_all = dist.gather_with_grad(p) if gather else p
@@ -107,7 +116,7 @@ def rank_spread(enc):
     return max((parts[0] - x).abs().max().item() for x in parts)
 
 
-def run_bi(ctx, enc0, tok, steps, wrap, gather=True, max_norm=1.0, use_buckets=False, accum=1, kw=None):
+def run_bi(ctx, enc0, tok, steps, wrap, gather=True, max_norm=1.0, use_buckets=False, accum=1, kw=None, grad_cache=0):
     enc = copy.deepcopy(enc0)
     model = BiEncoder(enc)
     if wrap == "ddp":
@@ -120,7 +129,7 @@ def run_bi(ctx, enc0, tok, steps, wrap, gather=True, max_norm=1.0, use_buckets=F
         mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
         loss, norm = bi_step(model, opt, tok, queries[mine], groups[mine], gather,
                              lambda per: ctx.rank * per * N, max_norm, use_buckets, accum,
-                             grads=None if grads else grads)
+                             grads=None if grads else grads, grad_cache=grad_cache)
         losses.append(dist.reduce_mean({"loss": loss})["loss"])
         norms.append(norm)
     return enc, losses, norms, grads
@@ -174,6 +183,10 @@ def main():
     # FSDP2 with bf16 compute: fp32 master weights, replicas agree, close to the fp32 reference
     compare("fsdp2_bf16_compute", run_bi(ctx, enc0, tok, steps, "fsdp2",
                                          kw={"mp_policy": precision.mp_policy(torch.bfloat16)}), ref)
+    # GradCache (chunks of 24 padded tokens) with gathered negatives, DDP and FSDP2, with accumulation
+    compare("ddp_grad_cache", run_bi(ctx, enc0, tok, steps, "ddp", grad_cache=24), ref)
+    compare("fsdp2_grad_cache", run_bi(ctx, enc0, tok, steps, "fsdp2", grad_cache=24), ref)
+    compare("ddp_grad_cache_accum2", run_bi(ctx, enc0, tok, steps, "ddp", accum=2, grad_cache=24), ref_acc)
     # control: without the gather each rank only sees its own passages - the check must notice
     compare("control_no_gather", run_bi(ctx, enc0, tok, steps, "ddp", gather=False), ref)
 

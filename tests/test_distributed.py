@@ -26,7 +26,8 @@ def results(tiny_model_dir, tmp_path_factory):
 
 EXACT = ["ddp_vs_single", "fsdp2_vs_single", "fsdp2_no_reshard_vs_single", "ddp_broadcast_buffers_off",
          "ddp_find_unused", "ddp_static_graph", "ddp_bucket_cap_1mb", "ddp_grad_as_bucket_view",
-         "ddp_bucket_clip", "ddp_accum2", "ddp_static_graph_accum2", "fsdp2_accum2"]
+         "ddp_bucket_clip", "ddp_accum2", "ddp_static_graph_accum2", "fsdp2_accum2",
+         "ddp_grad_cache", "fsdp2_grad_cache", "ddp_grad_cache_accum2"]
 
 
 @pytest.mark.parametrize("check", EXACT)
