@@ -9,7 +9,8 @@ temperature 0.05), grad clipping and fused AdamW. The kit side is the step of tr
 clip, step, scheduler, reduced logging); the bare side is tokenizer -> model -> mean pool ->
 cross_entropy -> backward -> clip -> step. Steps alternate kit / bare so drift hits both alike.
 Peak memory is the RSS high-water mark of the training steps (reset after loading), measured in a
-separate process per side.
+separate process per side; "step MB" is how far that peak rises above the RSS before the first step
+(the model, optimizer state and libraries already resident), i.e. the memory the steps themselves add.
 """
 
 import argparse
@@ -96,9 +97,17 @@ def reset_peak_rss():
         f.write("5")
 
 
-def peak_rss_mb():
+def _status_mb(field):
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def peak_rss_mb():
+    return _status_mb("VmHWM")
+
+
+def current_rss_mb():
+    return _status_mb("VmRSS")
 
 
 def main():
@@ -123,9 +132,10 @@ def main():
     if args.only:
         step = make_kit(model_dir, args, ctx) if args.only == "kit" else make_bare(model_dir, args)
         reset_peak_rss()  # loading has its own peak; measure the training steps
+        base = current_rss_mb()  # model, optimizer and tokenizer already resident
         for queries, groups in work[:args.warmup + 2]:
             step(tok, queries, groups)
-        print(json.dumps({"peak_rss_mb": peak_rss_mb()}))
+        print(json.dumps({"peak_rss_mb": peak_rss_mb(), "step_mb": peak_rss_mb() - base}))
         return
 
     kit, bare = make_kit(model_dir, args, ctx), make_bare(model_dir, args)
@@ -141,15 +151,17 @@ def main():
     for side in ("kit", "bare"):
         cmd = [sys.executable, __file__, "--only", side] + [a for a in sys.argv[1:]]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        mem[side] = json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+        mem[side] = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"model {model_dir}\nbatch {args.batch_size} queries x {args.n_passages} passages, "
           f"max lengths {args.query_max_length}/{args.passage_max_length}, {args.steps} timed steps per side, "
           f"threads {torch.get_num_threads()}, kit --chunk-tokens {args.chunk_tokens}")
-    print(f"{'':6} {'median step s':>14} {'samples/s':>10} {'peak RSS MB':>12}")
+    print(f"{'':6} {'median step s':>14} {'samples/s':>10} {'peak RSS MB':>12} {'step MB':>8}")
     for side in ("bare", "kit"):
-        print(f"{side:6} {med[side]:14.3f} {args.batch_size / med[side]:10.2f} {mem[side]:12.0f}")
+        print(f"{side:6} {med[side]:14.3f} {args.batch_size / med[side]:10.2f} {mem[side]['peak_rss_mb']:12.0f} "
+              f"{mem[side]['step_mb']:8.0f}")
     print(f"overhead ratio kit/bare: {med['kit'] / med['bare']:.3f} (step time), "
-          f"{mem['kit'] / mem['bare']:.3f} (peak RSS)")
+          f"{mem['kit']['peak_rss_mb'] / mem['bare']['peak_rss_mb']:.3f} (peak RSS), "
+          f"{mem['kit']['step_mb'] / mem['bare']['step_mb']:.3f} (memory the steps add)")
     dist.cleanup()
 
 

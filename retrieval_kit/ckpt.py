@@ -2,7 +2,8 @@
 
 A checkpoint is one folder per step, `step_000100/`:
     model.safetensors   weights of the unwrapped model (no `module.` / `_orig_mod.` prefixes)
-    optimizer.pt        optimizer state_dict   (loaded with weights_only=True)
+    optimizer.pt        optimizer state_dict (DDP / one process; loaded with weights_only=True)
+    optimizer_dcp/      sharded optimizer state under FSDP2 (torch.distributed.checkpoint)
     scheduler.pt        LR scheduler state_dict
     rng_rank{r}.pt      per-rank RNG states
     meta.json           step, loop state, args, versions; written last inside the folder
@@ -59,9 +60,11 @@ def set_rng_state(state):
 
 
 def _fsync_dir(path):
-    for name in os.listdir(path):
-        with open(os.path.join(path, name), "rb") as f:
-            os.fsync(f.fileno())
+    """fsync every file under path, so the rename that publishes the checkpoint comes after its data."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
 
 
 def safe_load(path):
@@ -91,14 +94,8 @@ def full_state_dict(module):
     return out
 
 
-def _optimizer_state(optimizer, wrapped):
-    """Under FSDP2 the full (unsharded) optimizer state keyed by param name; else the plain state_dict."""
-    if wrapped is not None and is_fsdp(wrapped):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(wrapped, optimizer,
-                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return optimizer.state_dict()
+def _sharded(wrapped):
+    return wrapped is not None and is_fsdp(wrapped)
 
 
 def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args=None, wrapped=None):
@@ -115,10 +112,17 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args
         os.makedirs(tmp)
     _barrier()
     torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
-    weights, optim_state = full_state_dict(model), _optimizer_state(optimizer, wrapped)  # collectives
+    weights = full_state_dict(model)  # collective under FSDP2
+    if _sharded(wrapped):  # every rank writes its own shards; DCP reshards on load, for any rank count
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        dcp.save({"optim": get_optimizer_state_dict(wrapped, optimizer)},
+                 checkpoint_id=os.path.join(tmp, "optimizer_dcp"))
     if rank == 0:
         save_file(weights, os.path.join(tmp, "model.safetensors"))
-        torch.save(optim_state, os.path.join(tmp, "optimizer.pt"))
+        if not _sharded(wrapped):
+            torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
         torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
     _barrier()
     if rank == 0:
@@ -126,7 +130,7 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args
 
         meta = {"step": step, "loop": loop_state, "args": args, "world_size": dist.get_world_size()
                 if dist.is_initialized() else 1, "torch": torch.__version__,
-                "optimizer_format": "fsdp_full" if wrapped is not None and is_fsdp(wrapped) else "torch",
+                "optimizer_format": "dcp" if _sharded(wrapped) else "torch",
                 "transformers": transformers.__version__, "complete": True}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2, default=str)
@@ -175,19 +179,22 @@ def load_model_weights(model, ckpt_dir):
 
 
 def load_optimizer(optimizer, ckpt_dir, wrapped=None):
-    """Step 3 of resume (after casting the model): state is cast to each param's dtype by torch."""
-    state = safe_load(os.path.join(ckpt_dir, "optimizer.pt"))
+    """Step 3 of resume (after casting the model): state is cast to each param's dtype by torch.
+    Under FSDP2 the state comes from the DCP shards (any rank count); else from optimizer.pt."""
     saved = load_meta(ckpt_dir).get("optimizer_format", "torch")
-    now = "fsdp_full" if wrapped is not None and is_fsdp(wrapped) else "torch"
+    now = "dcp" if _sharded(wrapped) else "torch"
     if saved != now:
-        raise SystemExit(f"{ckpt_dir}: optimizer state was saved under "
-                         f"{'FSDP2' if saved == 'fsdp_full' else 'DDP'}; resume it with the same --parallel")
-    if now == "fsdp_full":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        raise SystemExit(f"{ckpt_dir}: optimizer state was saved under {'FSDP2' if saved == 'dcp' else 'DDP'}; "
+                         "resume it with the same --parallel")
+    if now == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-        set_optimizer_state_dict(wrapped, optimizer, state, options=StateDictOptions(full_state_dict=True))
+        state = {"optim": get_optimizer_state_dict(wrapped, optimizer)}  # the template DCP fills in place
+        dcp.load(state, checkpoint_id=os.path.join(ckpt_dir, "optimizer_dcp"))
+        set_optimizer_state_dict(wrapped, optimizer, state["optim"])
     else:
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(safe_load(os.path.join(ckpt_dir, "optimizer.pt")))
 
 
 def load_scheduler(scheduler, ckpt_dir):

@@ -1,0 +1,79 @@
+"""GradCache memory: peak RSS of one bi-encoder training step at a small and a large batch.
+
+    python bench/bench_grad_cache.py                       # batch 32 and 512, 1 positive + 1 negative, 256 tokens
+    python bench/bench_grad_cache.py --batches 16 128
+
+Each measurement runs in a fresh process: load MiniLM, wrap in DDP (a world of 1), reset the RSS
+high-water mark, then one full step (collate, GradCache forward/backward with --chunk-tokens
+chunks, fused AdamW). With GradCache only one chunk's activations are alive at a time, so the
+peak should barely grow with the batch; the plain step at the small batch is shown for scale.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.bench_train_step import peak_rss_mb, reset_peak_rss  # noqa: E402
+from retrieval_kit import data, dist, optim  # noqa: E402
+from retrieval_kit.collate import collate_biencoder  # noqa: E402
+from retrieval_kit.encode import grad_cache_biencoder  # noqa: E402
+from retrieval_kit.losses import contrastive_loss  # noqa: E402
+from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder  # noqa: E402
+
+
+def one_step(batch_size, grad_cache, chunk_tokens, max_length):
+    ctx = dist.init()
+    model_dir = default_model_dir()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    enc = load_encoder(model_dir)
+    model = dist.wrap_ddp(BiEncoder(enc, "avg", True, chunk_tokens), ctx)
+    opt = optim.build_optimizer(optim.param_groups(enc, 0.01), 1e-5)
+    records, _ = data.read_records(os.path.join(ROOT, "data", "train.jsonl"), 2)
+    recs = records[:batch_size]
+    q, p = collate_biencoder(tok, [r.query for r in recs], [data.fixed_group(r, 2) for r in recs], 32, max_length)
+    reset_peak_rss()
+    t0 = time.perf_counter()
+    if grad_cache:
+        grad_cache_biencoder(model, q, p, lambda qr, pr: contrastive_loss(qr, pr, 2), chunk_tokens)
+    else:
+        qr, pr = model(q, p)
+        contrastive_loss(qr, pr, 2).backward()
+    opt.step()
+    return {"peak_rss_mb": peak_rss_mb(), "step_s": time.perf_counter() - t0}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 512], help="queries per step to measure")
+    ap.add_argument("--chunk-tokens", type=int, default=1024)
+    ap.add_argument("--max-length", type=int, default=256, help="passage max length")
+    ap.add_argument("--one", nargs=2, type=int, help="(internal) batch size and grad-cache flag of one run")
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one_step(args.one[0], bool(args.one[1]), args.chunk_tokens, args.max_length)))
+        return
+    rows = []
+    for bs, gc in [(args.batches[0], 0)] + [(b, 1) for b in args.batches]:
+        out = subprocess.run([sys.executable, __file__, "--one", str(bs), str(gc), "--chunk-tokens",
+                              str(args.chunk_tokens), "--max-length", str(args.max_length)],
+                             capture_output=True, text=True, check=True)
+        rows.append((bs, gc, json.loads(out.stdout.strip().splitlines()[-1])))
+    print(f"MiniLM, 1 positive + 1 negative per query, passages up to {args.max_length} tokens, "
+          f"--chunk-tokens {args.chunk_tokens}; peak RSS of one step after loading")
+    for bs, gc, r in rows:
+        print(f"  batch {bs:4}  {'grad-cache' if gc else 'plain     '}  peak {r['peak_rss_mb']:8.0f} MB  step {r['step_s']:7.1f} s")
+    gc_rows = [r for _, gc, r in rows if gc]
+    print(f"  grad-cache peak, batch {args.batches[-1]} / batch {args.batches[0]}: "
+          f"{gc_rows[-1]['peak_rss_mb'] / gc_rows[0]['peak_rss_mb']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
