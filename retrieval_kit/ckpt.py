@@ -77,11 +77,16 @@ def safe_load(path):
                          f"(torch.load weights_only=True said: {str(e).splitlines()[0]})") from None
 
 
-def full_state_dict(module):
+def full_state_dict(module, all_ranks=False):
     """The module's state dict with plain full CPU tensors; collective under FSDP2 (DTensors gathered).
 
     Pass the raw HF module (not a wrapper): its keys are the Hugging Face ones, whatever wraps it.
+    Replicated (non-sharded) weights are only copied on rank 0, the one that writes them; other
+    ranks get None unless `all_ranks`.
     """
+    sharded = any(hasattr(p, "full_tensor") for p in unwrap(module).parameters())
+    if not sharded and not all_ranks and _rank() != 0:
+        return None
     out, seen = {}, set()
     for k, v in unwrap(module).state_dict().items():
         if hasattr(v, "full_tensor"):

@@ -110,7 +110,7 @@ def max_diff(a, b):
 
 def rank_spread(enc):
     """Max difference of the full params between ranks (0 when replicas agree)."""
-    flat = torch.cat([v.float().flatten() for v in ckpt.full_state_dict(enc).values()])
+    flat = torch.cat([v.float().flatten() for v in ckpt.full_state_dict(enc, all_ranks=True).values()])
     parts = [torch.empty_like(flat) for _ in range(tdist.get_world_size())]
     tdist.all_gather(parts, flat)
     return max((parts[0] - x).abs().max().item() for x in parts)
@@ -151,7 +151,7 @@ def main():
         scale = max(g.abs().max().item() for g in r_grads.values())
         results[name] = {
             "grad_rel_diff": max((grads[k] - r_grads[k]).abs().max().item() for k in r_grads) / scale,
-            "param_diff": max_diff(ckpt.full_state_dict(enc), r_enc.state_dict()),
+            "param_diff": max_diff(ckpt.full_state_dict(enc, all_ranks=True), r_enc.state_dict()),
             "loss_diff": max(abs(a - b) for a, b in zip(losses, r_losses)),
             "norm_rel_diff": max(abs(a - b) / b for a, b in zip(norms, r_norms)),
             "rank_spread": rank_spread(enc), "param_dtypes": sorted({str(p.dtype) for p in enc.parameters()}),
@@ -210,7 +210,7 @@ def main():
         return net, loss.item()
     r_net, r_loss = rr_run(copy.deepcopy(net0), False)
     d_net, d_loss = rr_run(copy.deepcopy(net0), True)
-    results["reranker_ddp_vs_single"] = {"param_diff": max_diff(ckpt.full_state_dict(d_net), r_net.state_dict()),
+    results["reranker_ddp_vs_single"] = {"param_diff": max_diff(ckpt.full_state_dict(d_net, all_ranks=True), r_net.state_dict()),
                                          "loss_diff": abs(dist.reduce_mean({"l": d_loss})["l"] - r_loss),
                                          "rank_spread": rank_spread(d_net)}
 
@@ -238,7 +238,7 @@ def main():
             model = dist.wrap_ddp(model, ctx)
         elif wrap == "fsdp2":
             model = dist.wrap_fsdp2(model, dist.transformer_layers(enc))
-        sd = ckpt.full_state_dict(enc)
+        sd = ckpt.full_state_dict(enc, all_ranks=True)
         keys[wrap] = sorted(sd)
         results[f"keys_{wrap}"] = {"value_diff": max_diff(sd, enc0.state_dict()), "n_keys": len(sd)}
     results["keys_identical"] = {"ok": all(keys[w] == sorted(enc0.state_dict()) for w in keys)}
