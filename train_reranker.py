@@ -234,16 +234,8 @@ def main():
         grad_norm = dist.clip_grad_norm(model, args.max_grad_norm if args.max_grad_norm > 0 else float("inf"),
                                         use_buckets=args.parallel == "ddp" and args.gradient_as_bucket_view)
         lr = scheduler.get_last_lr()[0]
-        if math.isfinite(grad_norm):  # the global norm: every rank takes the same branch
-            optimizer.step()
-            scheduler.step()
-            bad_in_a_row = 0
-        else:  # a non-finite loss or grad on any rank: skip the update everywhere, never save NaN weights
-            skipped, bad_in_a_row = skipped + 1, bad_in_a_row + 1
-            if bad_in_a_row >= args.max_bad_steps:
-                raise SystemExit(f"step {step + 1}: {bad_in_a_row} steps in a row with a non-finite loss or grad "
-                                 "norm; stopping (lower --lr, check the data, or resume from the last checkpoint)")
-        optimizer.zero_grad(set_to_none=True)
+        bad_in_a_row = optim.step_if_finite(optimizer, scheduler, grad_norm, bad_in_a_row, args.max_bad_steps, step + 1)
+        skipped += bad_in_a_row > 0  # a non-finite step on any rank is skipped on all of them
         step += 1
 
         dt = time.perf_counter() - t0

@@ -35,6 +35,26 @@ def param_groups(model, weight_decay):
     return groups
 
 
+def step_if_finite(optimizer, scheduler, grad_norm, bad_in_a_row, max_bad_steps, step):
+    """Optimizer and scheduler step when the global grad norm is finite, else skip the update.
+
+    The norm is global (reduced over ranks), so a non-finite loss or grad on any rank makes every
+    rank skip together, and no checkpoint ever holds weights from such an update. Returns the
+    number of non-finite steps in a row (0 after an update); stops the run at `max_bad_steps`.
+    """
+    if math.isfinite(grad_norm):
+        optimizer.step()
+        scheduler.step()
+        bad_in_a_row = 0
+    else:
+        bad_in_a_row += 1
+        if bad_in_a_row >= max_bad_steps:
+            raise SystemExit(f"step {step}: {bad_in_a_row} steps in a row with a non-finite loss or grad norm; "
+                             "stopping (lower --lr, check the data, or resume from the last checkpoint)")
+    optimizer.zero_grad(set_to_none=True)
+    return bad_in_a_row
+
+
 def build_optimizer(groups, lr, betas=(0.9, 0.999), eps=1e-8, fused=True):
     """torch.optim.AdamW with the groups as given; fused by default (16x faster than the loop on CPU)."""
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
