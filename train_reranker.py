@@ -144,7 +144,7 @@ def main():
 
     # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------
     if args.activation_checkpointing:
-        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        dist.enable_activation_checkpointing(net)
     if args.compile:
         for layer in dist.transformer_layers(net):
             layer.compile()  # in place: no `_orig_mod.` in any key

@@ -117,6 +117,15 @@ def add_dist_args(parser):
     return g
 
 
+def enable_activation_checkpointing(model):
+    """Non-reentrant activation checkpointing of each layer of a Hugging Face model. transformers 5
+    renamed gradient_checkpointing_enable (now a deprecated alias) to activation_checkpointing_enable."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def wrap_ddp(model, ctx, broadcast_buffers=True, find_unused_parameters=False, static_graph=False,
              bucket_cap_mb=25.0, gradient_as_bucket_view=False):
     """Wrap in DDP with every knob explicit (a world of 1 goes through DDP too).

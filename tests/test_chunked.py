@@ -95,3 +95,28 @@ def test_grad_cache_equals_plain_backward_with_dropout_on(tiny_model_dir):
     assert_same(plain(5), cached(5))
     assert abs(plain(5)[0] - plain(6)[0]) > 1e-4  # dropout really is on: another seed, another loss
     assert model.chunk_tokens == 24
+
+
+def test_activation_checkpointing_recomputes_and_gives_the_same_grads(tiny_model_dir):
+    from retrieval_kit.dist import enable_activation_checkpointing
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    q, p = collate_biencoder(tok, QUERIES, GROUPS, 32, 32)
+    results, saved = [], []
+    for checkpointed in (False, True):
+        enc = load_encoder(tiny_model_dir).train()  # dropout on: checkpointing replays the RNG too
+        if checkpointed:
+            enable_activation_checkpointing(enc)
+        model = BiEncoder(enc, "avg", True)
+        count = [0]
+
+        def pack(t):
+            count[0] += 1
+            return t
+        torch.manual_seed(3)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            results.append(loss_and_grads(model, enc.named_parameters(),
+                                          lambda m: contrastive_loss(*m(q, p), 2, temperature=0.05)))
+        saved.append(count[0])
+    assert_same(*results)
+    assert saved[1] < saved[0] / 2  # the layers' activations were not kept for backward
