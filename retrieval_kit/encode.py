@@ -157,19 +157,20 @@ def grad_cache_biencoder(model, q_batch, p_batch, loss_fn, chunk_tokens, sync=Tr
             left = bool((batch["attention_mask"][:, 0] == 0).any())
             for idx, width in plan(batch):
                 work.append((side, idx, sub(batch, idx, width, left)))
-        reps, states = {"q": [], "p": []}, []
+        # Each chunk's embeddings go straight into one (rows, H) buffer per side: nothing but the small
+        # RNG states outlives a chunk, so the allocator can reuse one chunk's memory for the next.
+        full, states = {}, []
         with torch.no_grad():
             for side, idx, b in work:
                 states.append(_rng_state())
                 out = model(q_batch=b) if side == "q" else model(p_batch=b)
-                reps[side].append((idx, out[0] if side == "q" else out[1]))
-        full = {}
-        for side, batch in (("q", q_batch), ("p", p_batch)):
-            n = batch["attention_mask"].shape[0]
-            rows = [i for idx, _ in reps[side] for i in idx]
-            inverse = torch.empty(n, dtype=torch.long)
-            inverse[torch.tensor(rows)] = torch.arange(n)
-            full[side] = torch.cat([r for _, r in reps[side]])[inverse.to(reps[side][0][1].device)]
+                r = out[0] if side == "q" else out[1]
+                if side not in full:
+                    rows = (q_batch if side == "q" else p_batch)["attention_mask"].shape[0]
+                    full[side] = r.new_empty(rows, r.shape[1])
+                full[side][torch.tensor(idx, device=r.device)] = r
+                del out, r
+        for side in full:
             full[side].requires_grad_(True)
         loss = loss_fn(full["q"], full["p"])
         loss.backward()
