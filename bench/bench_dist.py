@@ -37,7 +37,7 @@ def bench_clip(reps):
     ctx = dist.init()
     model_dir = default_model_dir()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    enc = load_encoder(model_dir)
+    enc = load_encoder(model_dir).train()  # dropout on, as in training
     model = dist.wrap_ddp(BiEncoder(enc), ctx, gradient_as_bucket_view=True)
     records, _ = data.read_records(os.path.join(ROOT, "data", "train.jsonl"), 2)
     q, p = collate_biencoder(tok, [r.query for r in records[:16]], [data.fixed_group(r, 2) for r in records[:16]], 32, 128)

@@ -3,9 +3,10 @@
     python bench/bench_grad_cache.py                       # batch 32 and 512, 1 positive + 1 negative, 256 tokens
     python bench/bench_grad_cache.py --batches 16 128
 
-Each measurement runs in a fresh process: load MiniLM, wrap in DDP (a world of 1), reset the RSS
-high-water mark, then one full step (collate, GradCache forward/backward with --chunk-tokens
-chunks, fused AdamW). With GradCache only one chunk's activations are alive at a time, so the
+Each measurement runs in a fresh process: load MiniLM in train mode (dropout on), wrap in DDP (a
+world of 1), reset the RSS high-water mark, then one full step (collate, GradCache forward/backward
+with --chunk-tokens chunks, fused AdamW). The passages are bench/data/train.jsonl: uncut Debian
+descriptions, median ~70 tokens, some over 256. With GradCache only one chunk's activations are alive at a time, so the
 peak should barely grow with the batch; the plain step at the small batch is shown for scale.
 """
 
@@ -29,14 +30,16 @@ from retrieval_kit.losses import contrastive_loss  # noqa: E402
 from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder  # noqa: E402
 
 
-def one_step(batch_size, grad_cache, chunk_tokens, max_length):
+def one_step(batch_size, grad_cache, chunk_tokens, max_length, train_file):
     ctx = dist.init()
     model_dir = default_model_dir()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    enc = load_encoder(model_dir)
+    enc = load_encoder(model_dir).train()
     model = dist.wrap_ddp(BiEncoder(enc, "avg", True, chunk_tokens), ctx)
     opt = optim.build_optimizer(optim.param_groups(enc, 0.01), 1e-5)
-    records, _ = data.read_records(os.path.join(ROOT, "data", "train.jsonl"), 2)
+    records, _ = data.read_records(train_file, 2)
+    if len(records) < batch_size:
+        raise SystemExit(f"{train_file} has {len(records)} groups, fewer than batch {batch_size}")
     recs = records[:batch_size]
     q, p = collate_biencoder(tok, [r.query for r in recs], [data.fixed_group(r, 2) for r in recs], 32, max_length)
     reset_peak_rss()
@@ -55,15 +58,17 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 512], help="queries per step to measure")
     ap.add_argument("--chunk-tokens", type=int, default=1024)
     ap.add_argument("--max-length", type=int, default=256, help="passage max length")
+    ap.add_argument("--train-file", default=os.path.join(ROOT, "bench", "data", "train.jsonl"))
     ap.add_argument("--one", nargs=2, type=int, help="(internal) batch size and grad-cache flag of one run")
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one_step(args.one[0], bool(args.one[1]), args.chunk_tokens, args.max_length)))
+        print(json.dumps(one_step(args.one[0], bool(args.one[1]), args.chunk_tokens, args.max_length, args.train_file)))
         return
     rows = []
     for bs, gc in [(args.batches[0], 0)] + [(b, 1) for b in args.batches]:
         out = subprocess.run([sys.executable, __file__, "--one", str(bs), str(gc), "--chunk-tokens",
-                              str(args.chunk_tokens), "--max-length", str(args.max_length)],
+                              str(args.chunk_tokens), "--max-length", str(args.max_length),
+                              "--train-file", args.train_file],
                              capture_output=True, text=True, check=True)
         rows.append((bs, gc, json.loads(out.stdout.strip().splitlines()[-1])))
     print(f"MiniLM, 1 positive + 1 negative per query, passages up to {args.max_length} tokens, "

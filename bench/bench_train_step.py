@@ -11,10 +11,13 @@ cross_entropy -> backward -> clip -> step. Steps alternate kit / bare so drift h
 Peak memory is the RSS high-water mark of the training steps (reset after loading), measured in a
 separate process per side; "step MB" is how far that peak rises above the RSS before the first step
 (the model, optimizer state and libraries already resident), i.e. the memory the steps themselves add.
+Both models are in train mode (dropout on), as in train_biencoder.py. "sys %" is the share of the
+steps' CPU time spent in the kernel (page faults of freshly mapped tensor memory, mostly).
 """
 
 import argparse
 import json
+import resource
 import os
 import statistics
 import subprocess
@@ -29,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from retrieval_kit import data, dist, optim  # noqa: E402
 from retrieval_kit.collate import collate_biencoder  # noqa: E402
+from retrieval_kit.encode import grad_cache_biencoder  # noqa: E402
 from retrieval_kit.losses import contrastive_loss  # noqa: E402
 from retrieval_kit.metrics import WindowedAverage  # noqa: E402
 from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder  # noqa: E402
@@ -46,7 +50,9 @@ def batches(args):
 
 
 def make_kit(model_dir, args, ctx):
-    enc = load_encoder(model_dir)
+    enc = load_encoder(model_dir).train()
+    if args.activation_checkpointing:
+        dist.enable_activation_checkpointing(enc)
     model = dist.wrap_ddp(BiEncoder(enc, "avg", True, args.chunk_tokens), ctx)
     opt = optim.build_optimizer(optim.param_groups(enc, 0.01), 1e-5)
     sched = optim.build_scheduler(opt, 0, 1000)
@@ -55,9 +61,13 @@ def make_kit(model_dir, args, ctx):
     def step(tok, queries, groups):
         q_batch, p_batch = collate_biencoder(tok, queries, groups, args.query_max_length,
                                              args.passage_max_length, pad_to_multiple_of=8)
-        q, p = model(q_batch, p_batch)
-        loss = contrastive_loss(q, dist.gather_with_grad(p), args.n_passages, 0.05)
-        loss.backward()
+        def loss_fn(q, p):
+            return contrastive_loss(q, dist.gather_with_grad(p), args.n_passages, 0.05)
+        if args.grad_cache:
+            loss, _, _ = grad_cache_biencoder(model, q_batch, p_batch, loss_fn, args.chunk_tokens)
+        else:
+            loss = loss_fn(*model(q_batch, p_batch))
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
@@ -67,7 +77,7 @@ def make_kit(model_dir, args, ctx):
 
 
 def make_bare(model_dir, args):
-    model = load_encoder(model_dir)
+    model = load_encoder(model_dir).train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.01, fused=True)
 
@@ -119,6 +129,8 @@ def main():
     ap.add_argument("--query-max-length", type=int, default=32)
     ap.add_argument("--passage-max-length", type=int, default=128)
     ap.add_argument("--chunk-tokens", type=int, default=0, help="the kit's --chunk-tokens (0 = off)")
+    ap.add_argument("--grad-cache", action="store_true", help="the kit's --grad-cache (chunks of --chunk-tokens)")
+    ap.add_argument("--activation-checkpointing", action="store_true", help="the kit's --activation-checkpointing")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
     ap.add_argument("--only", choices=("kit", "bare"), help="(internal) run one side and print its peak RSS")
@@ -139,14 +151,18 @@ def main():
         return
 
     kit, bare = make_kit(model_dir, args, ctx), make_bare(model_dir, args)
-    times = {"kit": [], "bare": []}
+    times, cpu = {"kit": [], "bare": []}, {"kit": [0.0, 0.0], "bare": [0.0, 0.0]}  # cpu: [user, sys] s
     for i, (queries, groups) in enumerate(work):
         for name, step in (("kit", kit), ("bare", bare)) if i % 2 == 0 else (("bare", bare), ("kit", kit)):
-            t0 = time.perf_counter()
+            r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             step(tok, queries, groups)
+            r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             if i >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(t1 - t0)
+                cpu[name][0] += r1.ru_utime - r0.ru_utime
+                cpu[name][1] += r1.ru_stime - r0.ru_stime
     med = {k: statistics.median(v) for k, v in times.items()}
+    sys_pct = {k: 100 * v[1] / max(v[0] + v[1], 1e-9) for k, v in cpu.items()}
     mem = {}
     for side in ("kit", "bare"):
         cmd = [sys.executable, __file__, "--only", side] + [a for a in sys.argv[1:]]
@@ -154,11 +170,12 @@ def main():
         mem[side] = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"model {model_dir}\nbatch {args.batch_size} queries x {args.n_passages} passages, "
           f"max lengths {args.query_max_length}/{args.passage_max_length}, {args.steps} timed steps per side, "
-          f"threads {torch.get_num_threads()}, kit --chunk-tokens {args.chunk_tokens}")
-    print(f"{'':6} {'median step s':>14} {'samples/s':>10} {'peak RSS MB':>12} {'step MB':>8}")
+          f"threads {torch.get_num_threads()}, kit --chunk-tokens {args.chunk_tokens}"
+          f"{' --grad-cache' if args.grad_cache else ''}{' --activation-checkpointing' if args.activation_checkpointing else ''}")
+    print(f"{'':6} {'median step s':>14} {'samples/s':>10} {'peak RSS MB':>12} {'step MB':>8} {'sys %':>6}")
     for side in ("bare", "kit"):
         print(f"{side:6} {med[side]:14.3f} {args.batch_size / med[side]:10.2f} {mem[side]['peak_rss_mb']:12.0f} "
-              f"{mem[side]['step_mb']:8.0f}")
+              f"{mem[side]['step_mb']:8.0f} {sys_pct[side]:6.1f}")
     print(f"overhead ratio kit/bare: {med['kit'] / med['bare']:.3f} (step time), "
           f"{mem['kit']['peak_rss_mb'] / mem['bare']['peak_rss_mb']:.3f} (peak RSS), "
           f"{mem['kit']['step_mb'] / mem['bare']['step_mb']:.3f} (memory the steps add)")
