@@ -199,6 +199,7 @@ def main():
     order_epoch, order = -1, None
     step, bad_in_a_row, stopping = start_step, 0, False
     stop = ckpt.StopSignal()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0
+    model.train()  # from_pretrained returns eval mode (no dropout); validation switches back and forth
     while True:
         last_step = step >= args.max_steps
 

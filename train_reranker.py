@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from retrieval_kit import ckpt, data, dist, log, optim, precision
 from retrieval_kit.collate import DEFAULT_TEMPLATE, collate_rerank
+from retrieval_kit.encode import grad_cache_reranker
 from retrieval_kit.losses import listwise_loss
 from retrieval_kit.metrics import WindowedAverage, group_metric_sums
 from retrieval_kit.models import CrossEncoder, default_model_dir, load_reranker, make_bidirectional, setup_pad_token
@@ -50,6 +51,9 @@ def parse_args(argv=None):
     g.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS,
                    help="encode each batch in length-sorted chunks of at most this many padded tokens, each "
                         f"padded only to its own longest row; same loss and grads (0 = off; default {CHUNK_TOKENS})")
+    g.add_argument("--grad-cache", action="store_true",
+                   help="GradCache: score every pair without a graph, then re-score chunk by chunk (--chunk-tokens) "
+                        "backpropagating cached score grads; same loss and grads, memory flat in batch size")
 
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="HF model dir (default: the bundled all-MiniLM-L6-v2)")
@@ -120,6 +124,10 @@ def main():
     if spe == 0:
         raise SystemExit(f"{args.train_file}: {len(records)} records are fewer than one global batch "
                          f"({args.batch_size} x {ctx.world_size} ranks)")
+
+    if args.grad_cache and args.static_graph:
+        raise SystemExit("--grad-cache runs several forward/backward passes per step, which DDP's --static-graph "
+                         "does not allow; drop one of them")
 
     # ----- model in the storage dtype ------------------------------------------------------------
     storage_dtype = precision.resolve_storage_dtype(args.torch_dtype, args.force_fp32_params)
@@ -195,6 +203,7 @@ def main():
     order_epoch, order = -1, None
     step, bad_in_a_row, stopping = start_step, 0, False
     stop = ckpt.StopSignal()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0
+    model.train()  # from_pretrained returns eval mode (no dropout); validation switches back and forth
     while True:
         last_step = step >= args.max_steps
 
@@ -224,11 +233,18 @@ def main():
                                    args.rerank_max_length, args.append_eos, args.pad_to_multiple_of)
             n_tokens += int(batch["attention_mask"].sum())
             sync = micro == args.grad_accum_steps - 1
-            with dist.grad_sync(model, sync):
+            if args.grad_cache:  # re-score chunk by chunk with cached score grads: flat memory
                 with precision.autocast(ctx.device.type, autocast_dtype):
-                    logits = model(batch.to(ctx.device))  # (B * n,)
-                loss = listwise_loss(logits, n)  # labels from the batch shape: column 0 of (B, n)
-                (loss / args.grad_accum_steps).backward()
+                    loss, logits = grad_cache_reranker(
+                        model, batch.to(ctx.device), lambda s: listwise_loss(s, n) / args.grad_accum_steps,
+                        args.chunk_tokens, sync)
+                loss = loss * args.grad_accum_steps
+            else:
+                with dist.grad_sync(model, sync):
+                    with precision.autocast(ctx.device.type, autocast_dtype):
+                        logits = model(batch.to(ctx.device))  # (B * n,)
+                    loss = listwise_loss(logits, n)  # labels from the batch shape: column 0 of (B, n)
+                    (loss / args.grad_accum_steps).backward()
             loss_sum += loss.item()
             acc_sum += (logits.detach().view(-1, n).argmax(1) == 0).float().mean().item()
         grad_norm = dist.clip_grad_norm(model, args.max_grad_norm if args.max_grad_norm > 0 else float("inf"),

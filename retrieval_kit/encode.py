@@ -8,7 +8,7 @@ import torch
 from tqdm import tqdm
 
 from .collate import tokenize
-from .models import BiEncoder, encode, length_chunks
+from .models import BiEncoder, encode, split_chunks
 
 
 @torch.no_grad()
@@ -121,69 +121,82 @@ def _set_rng_state(state):
         torch.cuda.set_rng_state(state[1])
 
 
-def grad_cache_biencoder(model, q_batch, p_batch, loss_fn, chunk_tokens, sync=True):
-    """One forward/backward of a bi-encoder batch with GradCache (Gao et al., 2021), returning
-    (loss, q, p) with the parameter gradients accumulated as plain backward would leave them.
+def grad_cache(model, parts, rows, run, loss_fn, sync=True):
+    """The GradCache pattern (Gao et al., 2021) over any split of a batch; returns (loss, outputs)
+    with the parameter gradients accumulated as one plain backward of the whole batch would leave them.
 
-    1. Embed every length chunk without a graph, recording the RNG state before each chunk.
-    2. loss_fn(q, p) on those embeddings (gathers included), backward to d loss / d embeddings.
-    3. Re-embed chunk by chunk with a graph, replaying each chunk's RNG state (same dropout), and
-       backpropagate the cached embedding gradients. Only one chunk's activations live at a time,
-       so memory stays flat as the batch grows.
-    `model` is the wrapped BiEncoder: gradients sync only on the last chunk's backward (when `sync`).
+    parts: [(name, row indices, sub-batch)]; rows: {name: rows of that output in batch order};
+    run(model, name, sub_batch) -> (len(row indices), ...) outputs; loss_fn({name: outputs}) -> loss.
+    1. Run every part without a graph, recording the RNG state before each, into one buffer per name
+       (nothing but the small RNG states outlives a part, so the allocator reuses its memory).
+    2. loss_fn on the full outputs (gathers included), backward to d loss / d outputs.
+    3. Run each part again with a graph, replaying its RNG state (same dropout), and backpropagate
+       the cached output gradients. Only one part's activations live at a time, so memory stays
+       flat as the batch grows. Gradients sync only on the last part's backward (when `sync`).
     """
-    from .dist import grad_sync, unwrap
+    from .dist import grad_sync
 
-    def plan(batch):
-        chunks = length_chunks(batch["attention_mask"], chunk_tokens)
-        return [(list(range(batch["attention_mask"].shape[0])), None)] if chunks is None else chunks[0]
+    full, states = {}, []
+    with torch.no_grad():
+        for name, idx, sub in parts:
+            states.append(_rng_state())
+            out = run(model, name, sub)
+            if name not in full:
+                full[name] = out.new_empty((rows[name],) + tuple(out.shape[1:]))
+            full[name][torch.tensor(idx, device=out.device)] = out
+            del out
+    for t in full.values():
+        t.requires_grad_(True)
+    loss = loss_fn(full)
+    loss.backward()
+    after = _rng_state()
+    for i, ((name, idx, sub), state) in enumerate(zip(parts, states)):
+        _set_rng_state(state)
+        with grad_sync(model, sync and i == len(parts) - 1):
+            out = run(model, name, sub)
+            cached = full[name].grad[torch.tensor(idx, device=out.device)]
+            (out * cached).sum().backward()  # d loss / d params through this part's outputs
+    _set_rng_state(after)
+    return loss.detach(), {name: t.detach() for name, t in full.items()}
 
-    def sub(batch, idx, width, left):
-        if width is None:
-            return batch
-        full = batch["attention_mask"].shape[1]
-        cols = slice(full - width, full) if left else slice(0, width)
-        ix = torch.tensor(idx, device=batch["input_ids"].device)
-        out = {k: v[ix][:, cols] for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
-        if left:
-            out["position_ids"] = torch.arange(full, device=ix.device)[cols].expand(len(idx), -1)
-        return out
+
+def _chunk_parts(name, batch, chunk_tokens):
+    pieces = split_chunks(batch, chunk_tokens)
+    if pieces is None:
+        pieces = [(list(range(batch["attention_mask"].shape[0])), batch)]
+    return [(name, idx, sub) for idx, sub in pieces]
+
+
+def grad_cache_biencoder(model, q_batch, p_batch, loss_fn, chunk_tokens, sync=True):
+    """GradCache for a bi-encoder: `model` is the wrapped BiEncoder, the parts are the length chunks
+    of the queries and of the passages, loss_fn(q, p) gets the full (B, H) and (B*n, H) embeddings.
+    Returns (loss, q, p), detached."""
+    from .dist import unwrap
 
     inner = unwrap(model)
     inner_chunk, inner.chunk_tokens = inner.chunk_tokens, 0  # chunks are cut here, not again inside
     try:
-        work = []  # (side, rows, sub-batch, rng state)
-        for side, batch in (("q", q_batch), ("p", p_batch)):
-            left = bool((batch["attention_mask"][:, 0] == 0).any())
-            for idx, width in plan(batch):
-                work.append((side, idx, sub(batch, idx, width, left)))
-        # Each chunk's embeddings go straight into one (rows, H) buffer per side: nothing but the small
-        # RNG states outlives a chunk, so the allocator can reuse one chunk's memory for the next.
-        full, states = {}, []
-        with torch.no_grad():
-            for side, idx, b in work:
-                states.append(_rng_state())
-                out = model(q_batch=b) if side == "q" else model(p_batch=b)
-                r = out[0] if side == "q" else out[1]
-                if side not in full:
-                    rows = (q_batch if side == "q" else p_batch)["attention_mask"].shape[0]
-                    full[side] = r.new_empty(rows, r.shape[1])
-                full[side][torch.tensor(idx, device=r.device)] = r
-                del out, r
-        for side in full:
-            full[side].requires_grad_(True)
-        loss = loss_fn(full["q"], full["p"])
-        loss.backward()
-        grads = {side: full[side].grad for side in full}
-        after = _rng_state()
-        for i, ((side, idx, b), state) in enumerate(zip(work, states)):
-            _set_rng_state(state)
-            with grad_sync(model, sync and i == len(work) - 1):
-                out = model(q_batch=b) if side == "q" else model(p_batch=b)
-                r = out[0] if side == "q" else out[1]
-                ix = torch.tensor(idx, device=r.device)
-                (r * grads[side][ix]).sum().backward()  # d loss / d params through this chunk's embeddings
-        _set_rng_state(after)
+        parts = _chunk_parts("q", q_batch, chunk_tokens) + _chunk_parts("p", p_batch, chunk_tokens)
+        rows = {"q": q_batch["attention_mask"].shape[0], "p": p_batch["attention_mask"].shape[0]}
+        loss, out = grad_cache(model, parts, rows,
+                               lambda m, name, b: m(q_batch=b)[0] if name == "q" else m(p_batch=b)[1],
+                               lambda full: loss_fn(full["q"], full["p"]), sync)
     finally:
         inner.chunk_tokens = inner_chunk
-    return loss.detach(), full["q"].detach(), full["p"].detach()
+    return loss, out["q"], out["p"]
+
+
+def grad_cache_reranker(model, batch, loss_fn, chunk_tokens, sync=True):
+    """GradCache for a cross-encoder: `model` is the wrapped CrossEncoder, the parts are the length
+    chunks of the (query, passage) pairs, loss_fn(scores) gets all (B*n,) scores. Returns (loss, scores),
+    detached."""
+    from .dist import unwrap
+
+    inner = unwrap(model)
+    inner_chunk, inner.chunk_tokens = inner.chunk_tokens, 0
+    try:
+        loss, out = grad_cache(model, _chunk_parts("s", batch, chunk_tokens), {"s": batch["attention_mask"].shape[0]},
+                               lambda m, name, b: m(b), lambda full: loss_fn(full["s"]), sync)
+    finally:
+        inner.chunk_tokens = inner_chunk
+    return loss, out["s"]

@@ -76,8 +76,8 @@ def length_chunks(attention_mask, chunk_tokens):
     return [(idx, max(int(lengths[idx].max()), 1)) for idx in chunks], left
 
 
-def run_chunked(fn, batch, chunk_tokens):
-    """fn(sub_batch) -> (rows, ...) tensor, applied per length chunk and put back in batch order.
+def split_chunks(batch, chunk_tokens):
+    """[(row indices, sub-batch)] of a padded batch's length chunks, or None when chunking is off.
 
     Each chunk is cut to its own longest row (from the right for right padding, from the left for
     left padding, with the position ids the full batch would have had), so the padding work goes
@@ -85,10 +85,10 @@ def run_chunked(fn, batch, chunk_tokens):
     """
     plan = length_chunks(batch["attention_mask"], chunk_tokens)
     if plan is None:
-        return fn(batch)
+        return None
     chunks, left = plan
     full_width = batch["attention_mask"].shape[1]
-    outs, rows = [], []
+    pieces = []
     for idx, width in chunks:
         cols = slice(full_width - width, full_width) if left else slice(0, width)
         ix = torch.tensor(idx, device=batch["input_ids"].device)
@@ -96,8 +96,18 @@ def run_chunked(fn, batch, chunk_tokens):
         if left:
             pos = torch.arange(full_width, device=ix.device)[cols]
             sub["position_ids"] = pos.expand(len(idx), -1)
-        outs.append(fn(sub))
-        rows.extend(idx)
+        pieces.append((idx, sub))
+    return pieces
+
+
+def run_chunked(fn, batch, chunk_tokens):
+    """fn(sub_batch) -> (rows, ...) tensor, applied per length chunk (split_chunks) and put back in
+    batch order."""
+    pieces = split_chunks(batch, chunk_tokens)
+    if pieces is None:
+        return fn(batch)
+    outs = [fn(sub) for _, sub in pieces]
+    rows = [i for idx, _ in pieces for i in idx]
     inverse = torch.empty(len(rows), dtype=torch.long)
     inverse[torch.tensor(rows)] = torch.arange(len(rows))
     return torch.cat(outs)[inverse.to(outs[0].device)]

@@ -20,7 +20,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from retrieval_kit import ckpt, data, dist, optim, precision  # noqa: E402
 from retrieval_kit.collate import collate_biencoder, collate_rerank  # noqa: E402
-from retrieval_kit.encode import grad_cache_biencoder  # noqa: E402
+from retrieval_kit.encode import grad_cache_biencoder, grad_cache_reranker  # noqa: E402
 from retrieval_kit.losses import contrastive_loss, listwise_loss  # noqa: E402
 from retrieval_kit.models import BiEncoder, CrossEncoder, load_encoder, load_reranker  # noqa: E402
 
@@ -195,24 +195,39 @@ def main():
     net0 = load_reranker(model_dir).eval()
     queries, groups = steps[0]
 
-    def rr_run(net, wrap):
+    def rr_run(net, wrap, grad_cache=0):
         model = CrossEncoder(net, "avg")
         if wrap:
-            model = dist.wrap_ddp(model, ctx, static_graph=True)
+            model = dist.wrap_ddp(model, ctx, static_graph=not grad_cache)
             sl = slice(ctx.rank * B, (ctx.rank + 1) * B)
         else:
             sl = slice(0, len(queries))
         opt = optim.build_optimizer(optim.param_groups(net, 0.01), LR)
-        loss = listwise_loss(model(collate_rerank(tok, queries[sl], groups[sl], max_length=48)), N)
-        loss.backward()
+        batch = collate_rerank(tok, queries[sl], groups[sl], max_length=48)
+        if grad_cache:
+            loss, _ = grad_cache_reranker(model, batch, lambda s: listwise_loss(s, N), grad_cache)
+        else:
+            loss = listwise_loss(model(batch), N)
+            loss.backward()
         dist.clip_grad_norm(model, 1.0)
+        grads = full_grads(net)
         opt.step()
-        return net, loss.item()
-    r_net, r_loss = rr_run(copy.deepcopy(net0), False)
-    d_net, d_loss = rr_run(copy.deepcopy(net0), True)
-    results["reranker_ddp_vs_single"] = {"param_diff": max_diff(ckpt.full_state_dict(d_net, all_ranks=True), r_net.state_dict()),
-                                         "loss_diff": abs(dist.reduce_mean({"l": d_loss})["l"] - r_loss),
-                                         "rank_spread": rank_spread(d_net)}
+        return net, loss.item(), grads
+    r_net, r_loss, r_grads = rr_run(copy.deepcopy(net0), False)
+    scale = max(g.abs().max().item() for g in r_grads.values())
+    # Some params have a zero true gradient: attention's key bias (softmax over keys ignores it) and,
+    # as a listwise loss is blind to a shift of a group's scores, what shifts every score alike (the
+    # head's bias, the last LayerNorm's bias under mean pooling). Their computed grad is rounding noise
+    # of the size of Adam's eps, which Adam turns into steps of up to LR: their grads are compared,
+    # their weights are left out of the weight comparison.
+    noise = {k for k, g in r_grads.items() if g.abs().max().item() < 1e-5 * scale}
+    for name, gc in (("reranker_ddp_vs_single", 0), ("reranker_ddp_grad_cache_vs_single", 40)):
+        d_net, d_loss, d_grads = rr_run(copy.deepcopy(net0), True, gc)
+        d_params = {k: v for k, v in ckpt.full_state_dict(d_net, all_ranks=True).items() if k not in noise}
+        results[name] = {"param_diff": max_diff(d_params, r_net.state_dict()),
+                         "grad_rel_diff": max_diff(d_grads, r_grads) / scale,
+                         "loss_diff": abs(dist.reduce_mean({"l": d_loss})["l"] - r_loss),
+                         "rank_spread": rank_spread(d_net), "zero_grad_params": sorted(noise)}
 
     # ----- corpus encoding split over ranks equals one process --------------------------------------
     from retrieval_kit.encode import encode_sharded, encode_texts

@@ -120,3 +120,34 @@ def test_activation_checkpointing_recomputes_and_gives_the_same_grads(tiny_model
         saved.append(count[0])
     assert_same(*results)
     assert saved[1] < saved[0] / 2  # the layers' activations were not kept for backward
+
+
+@pytest.mark.parametrize("side,pooling", [("right", "native"), ("left", "last")])
+def test_reranker_grad_cache_equals_plain_backward_with_dropout_on(tiny_model_dir, tiny_decoder_dir, side, pooling):
+    from retrieval_kit.encode import grad_cache_reranker
+
+    path = tiny_model_dir if side == "right" else tiny_decoder_dir
+    tok = AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(0)
+    net = load_reranker(path).train()
+    for m in net.modules():  # Llama ships with attention dropout 0: turn it on to test the RNG replay
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.1
+    setup_pad_token(tok, net)
+    tok.padding_side = side
+    batch = collate_rerank(tok, QUERIES, GROUPS, max_length=64, append_eos=side == "left")
+    model = CrossEncoder(net, pooling, chunk_tokens=40)
+    params = list(net.named_parameters())
+
+    def plain(seed):
+        torch.manual_seed(seed)
+        return loss_and_grads(model, params, lambda m: listwise_loss(m(batch), 2))
+
+    def cached(seed):
+        torch.manual_seed(seed)
+        return loss_and_grads(model, params, lambda m: grad_cache_reranker(
+            m, batch, lambda s: listwise_loss(s, 2), 40)[0], backward=False)
+
+    assert_same(plain(5), cached(5))
+    assert abs(plain(5)[0] - plain(6)[0]) > 1e-5  # dropout really is on: another seed, another loss
+    assert model.chunk_tokens == 40

@@ -111,3 +111,21 @@ def test_fsdp2_with_checkpointing_and_accumulation_resumes_to_the_same_loss(tiny
     loss3 = [[r["loss"] for r in rows if r["split"] == "train" and r["step"] == 3] for rows in (first, second)]
     assert loss3[0] and loss3[0] == loss3[1]
     AutoModel.from_pretrained(tmp_path / "b" / "final")
+
+
+def test_grad_cache_run_logs_the_losses_and_grad_norms_of_a_plain_run(tiny_model_dir, small_train_file, tmp_path):
+    """Dropout is on in training: the same losses need GradCache to replay each chunk's RNG."""
+    logs = []
+    for name, extra in (("plain", []), ("cached", ["--grad-cache"]), ("unchunked", ["--chunk-tokens", "0"])):
+        run_script("train_biencoder.py", common_args(tiny_model_dir, small_train_file, tmp_path / name) +
+                   ["--val-file", "", "--max-steps", "3", "--lr", "1e-3", "--chunk-tokens", "96", *extra])
+        logs.append([r for r in read_jsonl(tmp_path / name / "metrics.jsonl") if r["split"] == "train"])
+    plain, cached, unchunked = logs
+    assert len(plain) == len(cached) == 3
+    # Without validation nothing else switches the model to train mode: dropout must be on anyway.
+    # Unchunked, the dropout masks are drawn in another order, so the first loss differs (in eval
+    # mode the two are equal, tests/test_chunked.py).
+    assert abs(plain[0]["loss"] - unchunked[0]["loss"]) > 1e-4
+    for a, b in zip(plain, cached):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
+    assert plain[0]["loss"] != plain[2]["loss"]  # the steps really trained
