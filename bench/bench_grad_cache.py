@@ -2,6 +2,7 @@
 
     python bench/bench_grad_cache.py                       # batch 32 and 512, 1 positive + 1 negative, 256 tokens
     python bench/bench_grad_cache.py --batches 16 128
+    python bench/bench_grad_cache.py --reranker --max-length 288 --batches 16 256   # cross-encoder pairs
 
 Each measurement runs in a fresh process: load MiniLM in train mode (dropout on), wrap in DDP (a
 world of 1), reset the RSS high-water mark, then one full step (collate, GradCache forward/backward
@@ -24,27 +25,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.bench_train_step import peak_rss_mb, reset_peak_rss  # noqa: E402
 from retrieval_kit import data, dist, optim  # noqa: E402
-from retrieval_kit.collate import collate_biencoder  # noqa: E402
-from retrieval_kit.encode import grad_cache_biencoder  # noqa: E402
-from retrieval_kit.losses import contrastive_loss  # noqa: E402
-from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder  # noqa: E402
+from retrieval_kit.collate import DEFAULT_TEMPLATE, collate_biencoder, collate_rerank  # noqa: E402
+from retrieval_kit.encode import grad_cache_biencoder, grad_cache_reranker  # noqa: E402
+from retrieval_kit.losses import contrastive_loss, listwise_loss  # noqa: E402
+from retrieval_kit.models import BiEncoder, CrossEncoder, default_model_dir, load_encoder, load_reranker  # noqa: E402
 
 
-def one_step(batch_size, grad_cache, chunk_tokens, max_length, train_file):
+def one_step(batch_size, grad_cache, chunk_tokens, max_length, train_file, reranker):
     ctx = dist.init()
     model_dir = default_model_dir()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    enc = load_encoder(model_dir).train()
-    model = dist.wrap_ddp(BiEncoder(enc, "avg", True, chunk_tokens), ctx)
-    opt = optim.build_optimizer(optim.param_groups(enc, 0.01), 1e-5)
+    net = (load_reranker if reranker else load_encoder)(model_dir).train()
+    wrapped = CrossEncoder(net, "avg", chunk_tokens) if reranker else BiEncoder(net, "avg", True, chunk_tokens)
+    model = dist.wrap_ddp(wrapped, ctx)
+    opt = optim.build_optimizer(optim.param_groups(net, 0.01), 1e-5)
     records, _ = data.read_records(train_file, 2)
     if len(records) < batch_size:
         raise SystemExit(f"{train_file} has {len(records)} groups, fewer than batch {batch_size}")
     recs = records[:batch_size]
-    q, p = collate_biencoder(tok, [r.query for r in recs], [data.fixed_group(r, 2) for r in recs], 32, max_length)
+    queries, groups = [r.query for r in recs], [data.fixed_group(r, 2) for r in recs]
+    if reranker:
+        batch = collate_rerank(tok, queries, groups, DEFAULT_TEMPLATE, max_length)
+    else:
+        q, p = collate_biencoder(tok, queries, groups, 32, max_length)
     reset_peak_rss()
     t0 = time.perf_counter()
-    if grad_cache:
+    if reranker and grad_cache:
+        grad_cache_reranker(model, batch, lambda s: listwise_loss(s, 2), chunk_tokens)
+    elif reranker:
+        listwise_loss(model(batch), 2).backward()
+    elif grad_cache:
         grad_cache_biencoder(model, q, p, lambda qr, pr: contrastive_loss(qr, pr, 2), chunk_tokens)
     else:
         qr, pr = model(q, p)
@@ -57,21 +67,25 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 512], help="queries per step to measure")
     ap.add_argument("--chunk-tokens", type=int, default=1024)
-    ap.add_argument("--max-length", type=int, default=256, help="passage max length")
+    ap.add_argument("--max-length", type=int, default=256, help="passage max length (--reranker: pair max length)")
+    ap.add_argument("--reranker", action="store_true",
+                    help="a cross-encoder step instead (1 positive + 1 negative pair per query, listwise loss)")
     ap.add_argument("--train-file", default=os.path.join(ROOT, "bench", "data", "train.jsonl"))
     ap.add_argument("--one", nargs=2, type=int, help="(internal) batch size and grad-cache flag of one run")
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one_step(args.one[0], bool(args.one[1]), args.chunk_tokens, args.max_length, args.train_file)))
+        print(json.dumps(one_step(args.one[0], bool(args.one[1]), args.chunk_tokens, args.max_length, args.train_file,
+                                    args.reranker)))
         return
     rows = []
     for bs, gc in [(args.batches[0], 0)] + [(b, 1) for b in args.batches]:
         out = subprocess.run([sys.executable, __file__, "--one", str(bs), str(gc), "--chunk-tokens",
                               str(args.chunk_tokens), "--max-length", str(args.max_length),
-                              "--train-file", args.train_file],
+                              "--train-file", args.train_file] + (["--reranker"] if args.reranker else []),
                              capture_output=True, text=True, check=True)
         rows.append((bs, gc, json.loads(out.stdout.strip().splitlines()[-1])))
-    print(f"MiniLM, 1 positive + 1 negative per query, passages up to {args.max_length} tokens, "
+    print(f"MiniLM {'cross-encoder' if args.reranker else 'bi-encoder'}, 1 positive + 1 negative per query, "
+          f"{'pairs' if args.reranker else 'passages'} up to {args.max_length} tokens, "
           f"--chunk-tokens {args.chunk_tokens}; peak RSS of one step after loading")
     for bs, gc, r in rows:
         print(f"  batch {bs:4}  {'grad-cache' if gc else 'plain     '}  peak {r['peak_rss_mb']:8.0f} MB  step {r['step_s']:7.1f} s")
