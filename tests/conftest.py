@@ -104,3 +104,23 @@ def tiny_decoder_dir(tmp_path_factory, decoder_tokenizer):
     LlamaModel(cfg).save_pretrained(out)
     decoder_tokenizer.save_pretrained(out)
     return str(out)
+
+
+def check_grad_cache_run(script, args, out_dir):
+    """Run `script` with `args` (validation off, 3 steps, --chunk-tokens 96) plain, with --grad-cache
+    and unchunked: GradCache must log the plain run's losses and grad norms with dropout on, which
+    needs it to replay each chunk's RNG."""
+    logs = []
+    for name, extra in (("plain", []), ("cached", ["--grad-cache"]), ("unchunked", ["--chunk-tokens", "0"])):
+        run_script(script, [*args, "--val-file", "", "--max-steps", 3, "--chunk-tokens", 96,
+                            "--output-dir", os.path.join(out_dir, name), *extra])
+        logs.append([r for r in read_jsonl(os.path.join(out_dir, name, "metrics.jsonl")) if r["split"] == "train"])
+    plain, cached, unchunked = logs
+    assert len(plain) == len(cached) == 3
+    # Without validation nothing else switches the model to train mode: dropout must be on anyway.
+    # Unchunked, the dropout masks are drawn in another order, so the first loss differs (in eval
+    # mode the two are equal, tests/test_chunked.py).
+    assert abs(plain[0]["loss"] - unchunked[0]["loss"]) > 1e-4
+    for a, b in zip(plain, cached):
+        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
+    assert plain[0]["loss"] != plain[2]["loss"]  # the steps really trained

@@ -12,7 +12,7 @@ from transformers import AutoModel, AutoTokenizer
 from retrieval_kit import ckpt
 from retrieval_kit.encode import encode_texts
 from retrieval_kit.models import BiEncoder, load_encoder
-from tests.conftest import ROOT, read_jsonl, run_script
+from tests.conftest import ROOT, check_grad_cache_run, read_jsonl, run_script
 
 
 def common_args(model_dir, train_file, out_dir):
@@ -114,18 +114,6 @@ def test_fsdp2_with_checkpointing_and_accumulation_resumes_to_the_same_loss(tiny
 
 
 def test_grad_cache_run_logs_the_losses_and_grad_norms_of_a_plain_run(tiny_model_dir, small_train_file, tmp_path):
-    """Dropout is on in training: the same losses need GradCache to replay each chunk's RNG."""
-    logs = []
-    for name, extra in (("plain", []), ("cached", ["--grad-cache"]), ("unchunked", ["--chunk-tokens", "0"])):
-        run_script("train_biencoder.py", common_args(tiny_model_dir, small_train_file, tmp_path / name) +
-                   ["--val-file", "", "--max-steps", "3", "--lr", "1e-3", "--chunk-tokens", "96", *extra])
-        logs.append([r for r in read_jsonl(tmp_path / name / "metrics.jsonl") if r["split"] == "train"])
-    plain, cached, unchunked = logs
-    assert len(plain) == len(cached) == 3
-    # Without validation nothing else switches the model to train mode: dropout must be on anyway.
-    # Unchunked, the dropout masks are drawn in another order, so the first loss differs (in eval
-    # mode the two are equal, tests/test_chunked.py).
-    assert abs(plain[0]["loss"] - unchunked[0]["loss"]) > 1e-4
-    for a, b in zip(plain, cached):
-        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
-    assert plain[0]["loss"] != plain[2]["loss"]  # the steps really trained
+    # the helper's later --val-file and --output-dir override common_args' ones
+    check_grad_cache_run("train_biencoder.py", common_args(tiny_model_dir, small_train_file, tmp_path) + ["--lr", "1e-3"],
+                         str(tmp_path))
