@@ -13,7 +13,7 @@ Outputs:
     data/val.jsonl          held-out groups, same format
     data/eval/              BEIR layout: corpus.jsonl, queries.jsonl, qrels/test.tsv
 
-The benchmark's file of uncut descriptions (median ~70 tokens, ~2% over 256 tokens):
+The benchmark's file of uncut descriptions (median 70 tokens, 3.9% at 256 or more):
 
     python scripts/build_sample_data.py --max-chars 0 --max-length 256 --n-train 512 --n-val 0 \
         --n-eval-corpus 0 --n-negatives 1 --out bench/data
