@@ -100,6 +100,19 @@ def format_problems(problems, limit=50):
     return "\n".join(shown) + more
 
 
+def jsonl_lines(path):
+    """Yield ("path:line", text) for each non-blank line of a JSONL file; a file that cannot be
+    opened is a DataError naming it."""
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"{path}: cannot open ({e.strerror})") from None
+    with f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                yield f"{path}:{lineno}", line
+
+
 def read_records(path, n_passages=None):
     """Read and validate a training JSONL file. Raises DataError listing every bad line.
 
@@ -108,17 +121,10 @@ def read_records(path, n_passages=None):
     groups sample negatives with replacement).
     """
     records, problems = [], []
-    try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise DataError(f"{path}: cannot open ({e.strerror})") from None
-    with f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            rec = parse_line(line, f"{path}:{lineno}", problems)
-            if rec is not None:
-                records.append(rec)
+    for where, line in jsonl_lines(path):
+        rec = parse_line(line, where, problems)
+        if rec is not None:
+            records.append(rec)
     if not records and not problems:
         problems.append(f"{path}: no records (the file is empty)")
     warnings = []

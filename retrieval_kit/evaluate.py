@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from . import ckpt, dist
-from .data import DataError, shard
+from .data import DataError, jsonl_lines, shard
 from .encode import encode_sharded, exact_topk, score_groups
 from .metrics import rank_docs, retrieval_metrics
 from .models import default_model_dir, load_encoder
@@ -28,24 +28,17 @@ from .models import default_model_dir, load_encoder
 
 def _read_jsonl(path, required):
     rows, problems = [], []
-    try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise DataError(f"{path}: cannot open ({e.strerror})") from None
-    with f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                problems.append(f"{path}:{lineno}: invalid JSON ({e.msg})")
-                continue
-            missing = [k for k in required if not isinstance(obj, dict) or k not in obj]
-            if missing:
-                problems.append(f"{path}:{lineno}: missing field {missing[0]!r}")
-                continue
-            rows.append(obj)
+    for where, line in jsonl_lines(path):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            problems.append(f"{where}: invalid JSON ({e.msg})")
+            continue
+        missing = [k for k in required if not isinstance(obj, dict) or k not in obj]
+        if missing:
+            problems.append(f"{where}: missing field {missing[0]!r}")
+            continue
+        rows.append(obj)
     if problems:
         raise DataError(f"{len(problems)} problem(s) in {path}:\n" + "\n".join(problems[:50]))
     return rows
