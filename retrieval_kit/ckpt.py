@@ -242,24 +242,6 @@ def load_settings(model_dir):
         return json.load(f)
 
 
-def load_exported_reranker(model_dir, dtype=torch.float32, trust_remote_code=False):
-    """(CrossEncoder in eval mode, tokenizer, settings) from a train_reranker.py export, with the
-    saved padding side, pooling and attention direction applied."""
-    from transformers import AutoTokenizer
-
-    from .models import CrossEncoder, load_reranker, make_bidirectional, setup_pad_token
-
-    settings = load_settings(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    if settings.get("padding_side"):
-        tokenizer.padding_side = settings["padding_side"]
-    net = load_reranker(model_dir, dtype, trust_remote_code)
-    setup_pad_token(tokenizer, net)
-    if settings.get("bidirectional"):
-        make_bidirectional(net)
-    return CrossEncoder(net, settings.get("pooling", "native")).eval(), tokenizer, settings
-
-
 class StopSignal:
     """Records SIGTERM / SIGINT instead of dying mid-step: the loop finishes the step, every rank
     agrees (the flag rides on the step's reduction), a checkpoint is saved and the run exits 0.

@@ -1,8 +1,10 @@
-"""Tokenize and pad: (queries, passages) for bi-encoders, templated pairs for rerankers.
+"""Tokenize and pad: (queries, passages) for bi-encoders, (query, passage) pairs for rerankers.
 
 Each side pads to the longest sequence in its own batch (optionally rounded up to a multiple
 of 8 for tensor cores), never to the max length.
 """
+
+import re
 
 
 def tokenize(tokenizer, texts, max_length, prefix="", pad_to_multiple_of=None):
@@ -36,58 +38,165 @@ def collate_biencoder(tokenizer, queries, groups, query_max_length, passage_max_
     return q_batch, p_batch
 
 
-DEFAULT_TEMPLATE = "question:{query} \n \n passage:{passage}"
+PAIR = "pair"  # --prompt-template value: the tokenizer's own (query, passage) pair encoding
+DEFAULT_TEMPLATE = "question:{query} \n \n passage:{passage}"  # the default for decoders
 
 
-def _split_template(template):
+def parse_template(template):
+    """[("text", str) | ("query", None) | ("passage", None)] pieces of a prompt template, in order."""
     if template.count("{passage}") != 1 or template.count("{query}") != 1:
         raise ValueError(f"--prompt-template must contain {{query}} and {{passage}} once each: {template!r}")
-    head, tail = template.split("{passage}")
-    return head, tail
+    pieces = re.split(r"(\{query\}|\{passage\})", template)
+    return [(p[1:-1], None) if p in ("{query}", "{passage}") else ("text", p) for p in pieces if p]
+
+
+def _find(seq, sub, start=0):
+    for i in range(start, len(seq) - len(sub) + 1):
+        if seq[i:i + len(sub)] == sub:
+            return i
+    return -1
 
 
 def special_tokens_around(tokenizer):
     """(prefix, suffix) ids the tokenizer adds around one sequence, e.g. ([CLS], [SEP]) or ([BOS], [])."""
     bare = tokenizer("a", add_special_tokens=False)["input_ids"]
     full = tokenizer("a", add_special_tokens=True)["input_ids"]
-    for i in range(len(full) - len(bare) + 1):
-        if full[i:i + len(bare)] == bare:
-            return full[:i], full[i + len(bare):]
-    raise ValueError(f"{type(tokenizer).__name__}: cannot locate the special tokens it adds")
+    i = _find(full, bare)
+    if i < 0:
+        raise ValueError(f"{type(tokenizer).__name__}: cannot locate the special tokens it adds")
+    return full[:i], full[i + len(bare):]
 
 
-def encode_pair(tokenizer, query, passage, template, max_length, append_eos=False, specials=None):
-    """Token ids of one templated (query, passage) pair, at most `max_length` long.
+class PairLayout:
+    """How one (query, passage) pair becomes token ids: fixed id runs around a query slot and a passage slot.
 
-    The passage is truncated first: the template around it and the query are kept whole while
-    they fit, so a long passage never pushes the query out. Only a query too long to fit on its
-    own is cut (from its end). The pieces are tokenized separately and joined, and the same
-    function serves training and evaluation, so both see identical ids.
+    `pair_layout(tokenizer, PAIR)` is the tokenizer's own pair encoding (`[CLS] q [SEP] p [SEP]` with
+    token type ids 0 / 1 for BERT), found by encoding a probe pair; `pair_layout(tokenizer, template)`
+    puts the template's literal text around the query and passage inside the tokenizer's
+    single-sequence specials (type ids 0). Query, passage and each literal piece are tokenized on
+    their own, which is how a tokenizer encodes a pair; so an export whose tokenizer carries this
+    layout as its pair post-processor (`export_pair_template`) encodes `tokenizer(query, passage)`
+    to the very same ids.
     """
-    head_tpl, tail_tpl = _split_template(template)
-    tok = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"] if s else []  # noqa: E731
-    head, body, tail = tok(head_tpl.replace("{query}", query)), tok(passage), tok(tail_tpl.replace("{query}", query))
-    eos = [tokenizer.eos_token_id] if append_eos and tokenizer.eos_token_id is not None else []
-    prefix, suffix = specials or special_tokens_around(tokenizer)
-    budget = max_length - len(prefix) - len(suffix) - len(eos)
-    room = budget - len(head) - len(tail)
-    if room < 0:  # the query part alone is too long: drop the passage, cut the query part
-        head, body = head[:max(0, budget - len(tail))], []
-        tail = tail[:max(0, budget - len(head))]
-    else:
-        body = body[:room]
-    return prefix + head + body + tail + suffix + eos
+
+    def __init__(self, segments, with_types, eos_id=None):
+        self.segments = segments  # [("ids", ids, types) | ("query", None, type) | ("passage", None, type)]
+        self.with_types = with_types
+        if eos_id is not None:  # appended after everything, with the type id of the last token
+            last = next((s[2][-1] if s[0] == "ids" else s[2]) for s in reversed(segments) if s[0] != "ids" or s[1])
+            self.segments = segments + [("ids", [eos_id], [last])]
+        self.n_fixed = sum(len(s[1]) for s in self.segments if s[0] == "ids")
+
+    def encode(self, q_ids, p_ids, max_length):
+        """(ids, type ids) of one pair at most `max_length` long. The passage is cut first; the query
+        is kept whole while it fits and cut from its end (dropping the passage) only when it alone is too long."""
+        budget = max_length - self.n_fixed
+        if budget < 1:
+            raise ValueError(f"--rerank-max-length {max_length} leaves no room for text: the template and special "
+                             f"tokens alone take {self.n_fixed} tokens")
+        if len(q_ids) >= budget:
+            q_ids, p_ids = q_ids[:budget], []
+        else:
+            p_ids = p_ids[:budget - len(q_ids)]
+        ids, types = [], []
+        for kind, seg, t in self.segments:
+            if kind == "ids":
+                ids += seg
+                types += t
+            else:
+                part = q_ids if kind == "query" else p_ids
+                ids += part
+                types += [t] * len(part)
+        return ids, types
 
 
-def collate_rerank(tokenizer, queries, groups, template=DEFAULT_TEMPLATE, max_length=512,
-                   append_eos=False, pad_to_multiple_of=None):
-    """Batch B queries x n passages as B*n templated pairs, query-major, positive first in each group.
+def pair_layout(tokenizer, template=PAIR, append_eos=False):
+    """The PairLayout of `template` (PAIR or a string with {query} and {passage}) for `tokenizer`."""
+    eos = tokenizer.eos_token_id if append_eos else None
+    with_types = "token_type_ids" in tokenizer.model_input_names
+    if template == PAIR:
+        qa, pb = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("x", "y"))
+        enc = tokenizer("x", "y", return_token_type_ids=True)
+        full, ftypes = enc["input_ids"], enc["token_type_ids"]
+        i = _find(full, qa)
+        j = _find(full, pb, i + len(qa)) if i >= 0 else -1
+        if j < 0:
+            raise ValueError(f"{type(tokenizer).__name__}: cannot locate the query and passage in its pair encoding")
+        seg = lambda a, b: ("ids", full[a:b], ftypes[a:b])  # noqa: E731
+        segments = [seg(0, i), ("query", None, ftypes[i]), seg(i + len(qa), j), ("passage", None, ftypes[j]),
+                    seg(j + len(pb), len(full))]
+        return PairLayout(segments, with_types, eos)
+    prefix, suffix = special_tokens_around(tokenizer)
+    segments = [("ids", prefix, [0] * len(prefix))]
+    for kind, text in parse_template(template):
+        if kind == "text":
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            segments.append(("ids", ids, [0] * len(ids)))
+        else:
+            segments.append((kind, None, 0))
+    segments.append(("ids", suffix, [0] * len(suffix)))
+    return PairLayout(segments, with_types, eos)
 
-    Padding follows `tokenizer.padding_side` (left or right). Labels are not returned: the loss
-    derives them from the batch shape (n_queries = n_pairs // n_passages).
+
+def _tokenize_bare(tokenizer, texts, max_length):
+    """Ids without special tokens, cut at max_length (so no over-length warning for long passages)."""
+    return tokenizer(list(texts), add_special_tokens=False, truncation=True, max_length=max_length)["input_ids"]
+
+
+def encode_pair(tokenizer, query, passage, template=PAIR, max_length=512, append_eos=False, layout=None):
+    """Token ids of one (query, passage) pair, at most `max_length` long (PairLayout.encode)."""
+    layout = layout or pair_layout(tokenizer, template, append_eos)
+    q, p = _tokenize_bare(tokenizer, [query, passage], max_length)
+    return layout.encode(q, p, max_length)[0]
+
+
+def collate_rerank(tokenizer, queries, groups, template=PAIR, max_length=512,
+                   append_eos=False, pad_to_multiple_of=None, layout=None):
+    """Batch B queries x n passages as B*n pairs, query-major, positive first in each group.
+
+    `template` is PAIR (the tokenizer's pair encoding, with token type ids where the model takes
+    them) or a prompt template. Padding follows `tokenizer.padding_side` (left or right). Labels
+    are not returned: the loss derives them from the batch shape (n_queries = n_pairs // n_passages).
     """
-    specials = special_tokens_around(tokenizer)
-    ids = [encode_pair(tokenizer, q, p, template, max_length, append_eos, specials)
-           for q, g in zip(queries, groups) for p in g]
-    return tokenizer.pad({"input_ids": ids}, padding="longest", pad_to_multiple_of=pad_to_multiple_of or None,
+    layout = layout or pair_layout(tokenizer, template, append_eos)
+    q_ids = _tokenize_bare(tokenizer, queries, max_length)
+    p_ids = _tokenize_bare(tokenizer, [p for g in groups for p in g], max_length)
+    rows, k = [], 0
+    for q, g in zip(q_ids, groups):
+        for _ in g:
+            rows.append(layout.encode(q, p_ids[k], max_length))
+            k += 1
+    features = {"input_ids": [r[0] for r in rows]}
+    if layout.with_types:
+        features["token_type_ids"] = [r[1] for r in rows]
+    return tokenizer.pad(features, padding="longest", pad_to_multiple_of=pad_to_multiple_of or None,
                          return_tensors="pt")
+
+
+def pair_post_processor(tokenizer, layout):
+    """A `tokenizers` TemplateProcessing whose pair encoding is `layout` (and whose single-text encoding
+    is the tokenizer's own), so `tokenizer(query, passage)` gives the kit's ids: each fixed run of ids
+    becomes one multi-id special token of its type id."""
+    from tokenizers import processors
+
+    specials, pair = [], []
+    for kind, ids, t in layout.segments:
+        if kind != "ids":
+            pair.append(f"${'A' if kind == 'query' else 'B'}:{t}")
+            continue
+        start = 0
+        for end in range(1, len(ids) + 1):  # split the run where the type id changes
+            if end == len(ids) or t[end] != t[start]:
+                name = f"[rk{len(specials)}]"
+                specials.append({"id": name, "ids": ids[start:end], "tokens": tokenizer.convert_ids_to_tokens(ids[start:end])})
+                pair.append(f"{name}:{t[start]}")
+                start = end
+    prefix, suffix = special_tokens_around(tokenizer)
+    single = []
+    for ids, where in ((prefix, "pre"), (suffix, "post")):
+        if ids:
+            name = f"[rk_{where}]"
+            specials.append({"id": name, "ids": ids, "tokens": tokenizer.convert_ids_to_tokens(ids)})
+            single.append(name)
+    single.insert(1 if prefix else 0, "$A")
+    return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair), special_tokens=specials)

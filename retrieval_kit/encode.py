@@ -40,22 +40,24 @@ def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
 
 
 @torch.no_grad()
-def score_groups(model, tokenizer, queries, groups, settings, batch_size=16, device="cpu"):
+def score_groups(model, tokenizer, queries, groups, settings, batch_size=16, device="cpu", layout=None):
     """Cross-encoder scores (Q, n) for each query against its own group of n passages.
 
-    `model` is a CrossEncoder; `settings` holds the tokenization saved with the export
-    (prompt_template, rerank_max_length, append_eos), so scoring tokenizes as training did.
+    `model` is a CrossEncoder; `settings` holds the tokenization saved with the export or checkpoint
+    (export.rerank_layout reads it), so scoring tokenizes as training did.
     """
     from .collate import collate_rerank
+    from .export import rerank_layout
 
+    layout = layout or rerank_layout(tokenizer, settings)
     was_training = model.training
     model.eval()
     n = len(groups[0])
     out = []
     for s in range(0, len(queries), batch_size):
         batch = collate_rerank(tokenizer, queries[s:s + batch_size], groups[s:s + batch_size],
-                               settings["prompt_template"], settings["rerank_max_length"],
-                               settings.get("append_eos", False), settings.get("pad_to_multiple_of"))
+                               max_length=settings["rerank_max_length"],
+                               pad_to_multiple_of=settings.get("pad_to_multiple_of"), layout=layout)
         out.append(model(batch.to(device)).float().view(-1, n).cpu())
     model.train(was_training)
     return torch.cat(out)

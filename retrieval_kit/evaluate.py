@@ -22,6 +22,7 @@ from transformers import AutoTokenizer
 from . import ckpt, dist
 from .data import DataError, jsonl_lines, shard
 from .encode import encode_sharded, exact_topk, score_groups
+from .export import load_exported_reranker
 from .metrics import rank_docs, retrieval_metrics
 from .models import default_model_dir, load_encoder
 
@@ -85,20 +86,36 @@ def retrieve(model, tokenizer, settings, beir, k=100, batch_size=64, device="cpu
     return {q: {ids[j]: s for s, j in zip(scores[i].tolist(), idx[i].tolist())} for i, q in enumerate(qids)}
 
 
-def rerank(run, model, tokenizer, settings, beir, top_k=20, batch_size=16, device="cpu"):
-    """Second stage: rescore each query's top_k with a cross-encoder; the rest keep their order below.
-    Queries are split over ranks and the runs gathered."""
+def fuse_scores(rr, bi, weight):
+    """weight * z(rr) + (1 - weight) * z(bi): each stage's scores standardised over the query's
+    reranked candidates, so a logit scale and a cosine scale can be mixed (weight 1 = reranker only)."""
+    if weight >= 1.0:
+        return rr
+    z = lambda t: (t - t.mean()) / t.std().clamp_min(1e-6) if t.numel() > 1 else torch.zeros_like(t)  # noqa: E731
+    return weight * z(rr.double()) + (1.0 - weight) * z(bi.double())
+
+
+def rerank(run, model, tokenizer, settings, beir, top_k=20, batch_size=16, device="cpu", progress=False, weight=1.0):
+    """Second stage: rescore each query's top_k with a cross-encoder (fused with the bi-encoder's
+    scores when weight < 1, fuse_scores); the rest keep their order below. Queries are split over
+    ranks and the runs gathered."""
     import torch.distributed as tdist
+    from tqdm import tqdm
+
+    from .export import rerank_layout
 
     ids, texts, queries, _ = beir
     text_of = dict(zip(ids, texts))
     world = tdist.get_world_size() if tdist.is_initialized() else 1
     rank = tdist.get_rank() if tdist.is_initialized() else 0
+    layout = rerank_layout(tokenizer, settings)
     mine = {}
-    for qid in shard(sorted(run), rank, world):
+    for qid in tqdm(shard(sorted(run), rank, world), desc="rerank", unit="query", disable=not progress):
         ranked = rank_docs(run[qid])
         head, tail = ranked[:top_k], ranked[top_k:]
-        s = score_groups(model, tokenizer, [queries[qid]], [[text_of[d] for d in head]], settings, batch_size, device)[0]
+        s = score_groups(model, tokenizer, [queries[qid]], [[text_of[d] for d in head]], settings, batch_size, device,
+                         layout)[0]
+        s = fuse_scores(s, torch.tensor([run[qid][d] for d in head]), weight)
         order = [head[i] for i in s.argsort(descending=True).tolist()] + tail
         mine[qid] = {d: float(len(order) - i) for i, d in enumerate(order)}  # distinct, decreasing
     if world == 1:
@@ -123,6 +140,9 @@ def main(argv=None):
     ap.add_argument("--passage-max-length", type=int, default=128, help="for a plain HF dir")
     ap.add_argument("--reranker", default=None, help="exported reranker dir for a second stage (optional)")
     ap.add_argument("--rerank-top-k", type=int, default=20, help="docs per query the reranker rescores")
+    ap.add_argument("--rerank-weight", type=float, default=1.0,
+                    help="1 = order the top k by the reranker alone; w < 1 = by w * z(reranker) + (1 - w) * "
+                         "z(bi-encoder), each standardised over the query's top k (default 1)")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dirs")
     ap.add_argument("--output", default=None, help="write the metrics as JSON here")
     args = ap.parse_args(argv)
@@ -136,9 +156,11 @@ def main(argv=None):
     run = retrieve(enc, tok, settings, beir, args.k, args.batch_size, ctx.device, progress=ctx.is_main)
     results = {"biencoder": retrieval_metrics(run, beir[3])}
     if args.reranker:
-        rr, rr_tok, rr_settings = ckpt.load_exported_reranker(args.reranker, torch.float32, args.trust_remote_code)
-        run2 = rerank(run, rr.to(ctx.device), rr_tok, rr_settings, beir, args.rerank_top_k, device=ctx.device)
-        results[f"biencoder+reranker@{args.rerank_top_k}"] = retrieval_metrics(run2, beir[3])
+        rr, rr_tok, rr_settings = load_exported_reranker(args.reranker, torch.float32, args.trust_remote_code)
+        run2 = rerank(run, rr.to(ctx.device), rr_tok, rr_settings, beir, args.rerank_top_k, device=ctx.device,
+                      progress=ctx.is_main, weight=args.rerank_weight)
+        fused = f",w={args.rerank_weight:g}" if args.rerank_weight < 1 else ""
+        results[f"biencoder+reranker@{args.rerank_top_k}{fused}"] = retrieval_metrics(run2, beir[3])
     if ctx.is_main:
         n_q, n_d = len(beir[3]), len(beir[0])
         print(f"{args.beir}: {n_q} judged queries, {n_d} docs; model {model_dir}")

@@ -1,4 +1,4 @@
-"""Contrastive (InfoNCE) loss for bi-encoders.
+"""Losses: contrastive InfoNCE for bi-encoders; listwise CE and pointwise BCE for rerankers.
 
 Layout: q is (B, H); p is (B * n_passages, H) query-major, so the positive of query i is row
 i * n_passages and rows i * n_passages + 1 .. are its hard negatives. With in-batch negatives
@@ -42,3 +42,18 @@ def listwise_loss(logits, n_passages):
         raise ValueError(f"{logits.numel()} pairs do not split into groups of {n_passages}")
     scores = logits.view(-1, n_passages).float()  # (n_queries, n_passages)
     return F.cross_entropy(scores, torch.zeros(scores.shape[0], dtype=torch.long, device=scores.device))
+
+
+def pointwise_bce_loss(logits, n_passages):
+    """Binary cross-entropy of each pair's logit against its label: 1 for the positive (column 0 of
+    each query-major group of n_passages), 0 for the negatives; mean over all pairs."""
+    logits = logits.reshape(-1)
+    if logits.numel() % n_passages:
+        raise ValueError(f"{logits.numel()} pairs do not split into groups of {n_passages}")
+    scores = logits.view(-1, n_passages).float()  # (n_queries, n_passages)
+    labels = torch.zeros_like(scores)
+    labels[:, 0] = 1.0
+    return F.binary_cross_entropy_with_logits(scores, labels)
+
+
+RERANK_LOSSES = {"listwise": listwise_loss, "bce": pointwise_bce_loss}

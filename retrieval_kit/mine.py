@@ -100,12 +100,14 @@ def main(argv=None):
     negs = mine_hard_negatives(q_emb, p_emb, [[index[p] for p in r.pos] for r in records], args.k, args.skip_top,
                                args.max_score_ratio if args.max_score_ratio > 0 else None, texts, args.depth)
     if ctx.is_main:
+        kept = [(r, n) for r, n in zip(records, negs) if n]  # a query with no negative left teaches nothing
         with open(args.out, "w", encoding="utf-8") as f:
-            for r, n in zip(records, negs):
+            for r, n in kept:
                 f.write(json.dumps({"query": r.query, "pos_doc": r.pos, "neg_doc": [texts[j] for j in n]},
                                    ensure_ascii=False) + "\n")
-        short = sum(len(n) < args.k for n in negs)
-        print(f"wrote {len(records)} records to {args.out} ({short} with fewer than {args.k} negatives)")
+        short = sum(len(n) < args.k for _, n in kept)
+        print(f"wrote {len(kept)} records to {args.out} ({short} with fewer than {args.k} negatives; "
+              f"{len(records) - len(kept)} left out: no candidate passed the filters)")
     dist.cleanup()
 
 

@@ -171,6 +171,14 @@ def make_bidirectional(model):
     return model
 
 
+def is_decoder_only(config):
+    """True for causal-LM-only architectures (Llama, Qwen, ...), False for encoders (BERT, RoBERTa, ...)."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
 def load_reranker(path, dtype=torch.float32, trust_remote_code=False):
     """AutoModelForSequenceClassification with one logit; an encoder checkpoint gets a fresh head."""
     from transformers import AutoModelForSequenceClassification
@@ -213,7 +221,7 @@ class CrossEncoder(torch.nn.Module):
                 model.base_model.pooler.requires_grad_(False)  # unused: would stall DDP
 
     def score(self, batch):
-        extra = {k: batch[k] for k in ("position_ids",) if k in batch}
+        extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
         if self.pooling == "native":
             return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits.view(-1)
         hidden = self.model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],

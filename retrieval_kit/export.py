@@ -1,0 +1,125 @@
+"""Exported rerankers in the form their consumers read, and loading them back.
+
+A reranker export is a plain transformers dir (`AutoModelForSequenceClassification`,
+`AutoTokenizer`) that sentence-transformers' `CrossEncoder` also loads, and all three score a
+(query, passage) pair as the kit does:
+  - the head is the model's own (`--pooling native`); other poolings are kit-only (`kit_only_reasons`);
+  - the tokenizer encodes `tokenizer(query, passage)` to the kit's ids: for a prompt template (or an
+    appended EOS) its pair post-processor is rewritten to the template (collate.pair_post_processor),
+    and its `model_max_length` is the trained `rerank_max_length`, so `truncation=True` cuts where
+    training cut;
+  - `config.json` declares the score activation (identity: the kit's scores are raw logits), which
+    CrossEncoder reads instead of its default sigmoid.
+The export checks its own tokenizer after writing it and records the outcome in retrieval_kit.json
+(`portable`, `tokenizer_pairs`).
+"""
+
+import json
+import os
+
+import torch
+
+from . import ckpt
+from .collate import PAIR, _tokenize_bare, pair_layout, pair_post_processor
+
+IDENTITY = "torch.nn.modules.linear.Identity"  # sentence-transformers' activation_fn path for raw logits
+PROBES = [("how do i list files", "ls lists directory contents " * 200), ("q", "p"),
+          ("a fast compressor for data", "zstd is a fast lossless compression algorithm")]
+
+
+def kit_only_reasons(pooling, bidirectional):
+    """Why a reranker with these settings scores differently in transformers / sentence-transformers."""
+    reasons = []
+    if pooling != "native":
+        reasons.append(f"--pooling {pooling}: stock loaders run the model's own classification head "
+                       "(--pooling native), not pooled hidden states")
+    if bidirectional:
+        reasons.append("--bidirectional: stock loaders keep the decoder's causal attention")
+    return reasons
+
+
+def _edit_json(path, fn):
+    with open(path) as f:
+        obj = json.load(f)
+    fn(obj)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+
+
+def _tokenizer_matches(out_dir, tokenizer, layout, max_length, trust_remote_code=False):
+    """Does the exported tokenizer encode the probe pairs to the kit's ids (truncation=True, its own max length)?"""
+    from transformers import AutoTokenizer
+
+    stock = AutoTokenizer.from_pretrained(out_dir, trust_remote_code=trust_remote_code)
+    for q, p in PROBES:
+        q_ids, p_ids = _tokenize_bare(tokenizer, [q, p], max_length)
+        ids, types = layout.encode(q_ids, p_ids, max_length)
+        enc = stock(q, p, truncation=True)
+        if enc["input_ids"] != ids or (layout.with_types and enc.get("token_type_ids") != types):
+            return False
+    return True
+
+
+def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False):
+    """Write the reranker `net` (the unwrapped *ForSequenceClassification model, or its FSDP2 module)
+    to `out_dir` as described in the module docstring; returns the settings written beside it.
+
+    `settings` holds pooling, bidirectional and the tokenization (prompt_template, rerank_max_length,
+    append_eos, padding_side, pad_to_multiple_of)."""
+    template, max_length = settings["prompt_template"], settings["rerank_max_length"]
+    reasons = kit_only_reasons(settings["pooling"], settings.get("bidirectional", False))
+    settings = dict(settings, score_activation="identity", tokenizer_pairs=False, portable=False,
+                    kit_only=reasons)
+    ckpt.export_model(out_dir, net, tokenizer, settings)  # collective under FSDP2
+    if ckpt._rank() == 0:
+        layout = pair_layout(tokenizer, template, settings["append_eos"])
+        _edit_json(os.path.join(out_dir, "config.json"),
+                   lambda c: c.setdefault("sentence_transformers", {}).update(activation_fn=IDENTITY))
+        _edit_json(os.path.join(out_dir, "tokenizer_config.json"), lambda c: c.update(model_max_length=max_length))
+        tok_json = os.path.join(out_dir, "tokenizer.json")
+        if (template != PAIR or settings["append_eos"]) and os.path.isfile(tok_json):
+            from tokenizers import Tokenizer
+
+            backend = Tokenizer.from_file(tok_json)
+            backend.post_processor = pair_post_processor(tokenizer, layout)
+            backend.save(tok_json)
+            # a model-specific tokenizer class may rebuild its post-processor on load (BertTokenizer does):
+            # the generic fast class reads tokenizer.json as written
+            names = list(tokenizer.model_input_names)
+            _edit_json(os.path.join(out_dir, "tokenizer_config.json"),
+                       lambda c: c.update(tokenizer_class="PreTrainedTokenizerFast", model_input_names=names))
+        settings["tokenizer_pairs"] = _tokenizer_matches(out_dir, tokenizer, layout, max_length, trust_remote_code)
+        if not settings["tokenizer_pairs"]:
+            settings["kit_only"] = reasons + [f"{type(tokenizer).__name__}: could not make tokenizer(query, passage) "
+                                              "reproduce the trained input; score with retrieval_kit"]
+        settings["portable"] = not settings["kit_only"]
+        with open(os.path.join(out_dir, ckpt.SETTINGS_FILE), "w") as f:
+            json.dump(settings, f, indent=2)
+    ckpt._barrier()
+    return settings
+
+
+def rerank_layout(tokenizer, settings):
+    """The PairLayout to score with: the exported tokenizer's own pair encoding when it carries the
+    trained input (`tokenizer_pairs`), else the saved template (older exports, checkpoints)."""
+    if settings.get("tokenizer_pairs"):
+        return pair_layout(tokenizer, PAIR)
+    return pair_layout(tokenizer, settings.get("prompt_template", PAIR), settings.get("append_eos", False))
+
+
+def load_exported_reranker(model_dir, dtype=torch.float32, trust_remote_code=False):
+    """(CrossEncoder in eval mode, tokenizer, settings) from a train_reranker.py export, with the
+    saved padding side, pooling and attention direction applied."""
+    from transformers import AutoTokenizer
+
+    from .models import CrossEncoder, load_reranker, make_bidirectional, setup_pad_token
+
+    settings = ckpt.load_settings(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    if settings.get("padding_side"):
+        tokenizer.padding_side = settings["padding_side"]
+    net = load_reranker(model_dir, dtype, trust_remote_code)
+    setup_pad_token(tokenizer, net)
+    if settings.get("bidirectional"):
+        make_bidirectional(net)
+    return CrossEncoder(net, settings.get("pooling", "native")).eval(), tokenizer, settings

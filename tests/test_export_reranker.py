@@ -1,0 +1,131 @@
+"""Reranker exports score the same in transformers and sentence-transformers as in the kit.
+
+The references are the real consumers: AutoModelForSequenceClassification with the exported
+tokenizer on (query, passage) pairs, and sentence-transformers' CrossEncoder.predict.
+"""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from retrieval_kit import data
+from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, collate_rerank, encode_pair, pair_layout
+from retrieval_kit.encode import score_groups
+from retrieval_kit.export import export_reranker, load_exported_reranker
+from retrieval_kit.losses import pointwise_bce_loss
+from retrieval_kit.models import load_reranker, rerank_head, setup_pad_token
+from tests.conftest import ROOT, stock_scores
+
+LONG = "zstd is a fast lossless compression algorithm with a very long description " * 30
+
+
+def val_groups(n_groups=6, n=4):
+    val, _ = data.read_records(os.path.join(ROOT, "data", "val.jsonl"), n)
+    val = val[:n_groups]
+    groups = [data.fixed_group(r, n) for r in val]
+    groups[0][1] = LONG  # one passage past the max length: truncated
+    return [r.query for r in val], groups
+
+
+def export_fresh(model_dir, tmp_path, template, pooling="native", append_eos=False, max_length=64):
+    torch.manual_seed(0)
+    net = load_reranker(model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    setup_pad_token(tok, net)
+    with torch.no_grad():  # a random model at init scale scores near-constant: spread the scores apart
+        for m in net.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.normal_(0.0, 0.15)
+        rerank_head(net).weight.mul_(10.0)
+    settings = {"kind": "reranker", "pooling": pooling, "bidirectional": False, "prompt_template": template,
+                "rerank_max_length": max_length, "append_eos": append_eos, "padding_side": tok.padding_side,
+                "pad_to_multiple_of": 8}
+    out = str(tmp_path / "final")
+    written = export_reranker(out, net, tok, settings)
+    return out, written
+
+
+@pytest.mark.parametrize("template", [PAIR, "Q: {query} | P: {passage}"])
+def test_encoder_export_scores_the_same_in_transformers_and_sentence_transformers(tiny_model_dir, tmp_path, template):
+    out, settings = export_fresh(tiny_model_dir, tmp_path, template)
+    assert settings["portable"] and settings["tokenizer_pairs"] and settings["kit_only"] == []
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["sentence_transformers"]["activation_fn"] == "torch.nn.modules.linear.Identity"
+    queries, groups = val_groups()
+    model, tok, saved = load_exported_reranker(out)
+    kit = score_groups(model, tok, queries, groups, saved)
+    assert kit.std() > 0.1  # the comparison below is not between constants
+    s_hf, s_st = stock_scores(out, queries, groups)
+    assert (kit - s_hf).abs().max() < 1e-5
+    assert (kit - s_st).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("append_eos", [False, True])
+def test_decoder_export_with_a_template_scores_the_same(tiny_decoder_dir, tmp_path, append_eos):
+    out, settings = export_fresh(tiny_decoder_dir, tmp_path, DEFAULT_TEMPLATE, append_eos=append_eos)
+    assert settings["portable"] and settings["tokenizer_pairs"]
+    queries = ["python library for data", "graphical user interface tool"]
+    groups = [["a python package for data files", "the server", "command line tool " * 30],
+              ["a graphical tool for the user", "documentation of the library", "data"]]
+    model, tok, saved = load_exported_reranker(out)
+    kit = score_groups(model, tok, queries, groups, saved)
+    assert kit.std() > 0.1
+    # the trained input, token for token: the kit's template ids from the exported tokenizer's pair encoding
+    train_tok = AutoTokenizer.from_pretrained(tiny_decoder_dir)
+    setup_pad_token(train_tok)
+    ids = encode_pair(train_tok, queries[0], groups[0][0], DEFAULT_TEMPLATE, 64, append_eos)
+    assert AutoTokenizer.from_pretrained(out)(queries[0], groups[0][0], truncation=True)["input_ids"] == ids
+    s_hf, s_st = stock_scores(out, queries, groups)
+    assert (kit - s_hf).abs().max() < 1e-5
+    assert (kit - s_st).abs().max() < 1e-5
+
+
+def test_kit_only_pooling_is_recorded(tiny_model_dir, tmp_path):
+    out, settings = export_fresh(tiny_model_dir, tmp_path, PAIR, pooling="avg")
+    assert not settings["portable"] and "--pooling avg" in settings["kit_only"][0]
+    queries, groups = val_groups(3)
+    model, tok, saved = load_exported_reranker(out)
+    kit = score_groups(model, tok, queries, groups, saved)
+    s_hf, _ = stock_scores(out, queries, groups)
+    assert (kit - s_hf).abs().max() > 1e-3  # really scored differently: the flag is needed
+
+
+def test_pair_encoding_matches_the_tokenizer_and_keeps_the_query(tokenizer):
+    q, short = "how do i compress files", "zstd tool"
+    for p in (short, LONG):  # the reference: the tokenizer's own pair encoding, passage truncated
+        ref = tokenizer(q, p, truncation="only_second", max_length=48)
+        batch = collate_rerank(tokenizer, [q], [[p]], PAIR, 48)
+        n = int(batch["attention_mask"].sum())
+        assert batch["input_ids"][0, :n].tolist() == ref["input_ids"]
+        assert batch["token_type_ids"][0, :n].tolist() == ref["token_type_ids"]
+    long_q = "compress files quickly " * 30  # the query alone is too long: cut from its end, no passage
+    q_ids = tokenizer(long_q, add_special_tokens=False)["input_ids"]
+    ids = encode_pair(tokenizer, long_q, short, PAIR, 32)
+    assert ids == [tokenizer.cls_token_id] + q_ids[:29] + [tokenizer.sep_token_id] * 2
+    with pytest.raises(ValueError, match="no room"):
+        pair_layout(tokenizer, "a very long template " * 20 + "{query} {passage}").encode([1], [2], 32)
+
+
+def test_pointwise_bce_matches_naive_loop():
+    torch.manual_seed(0)
+    logits = torch.randn(12, dtype=torch.float64)
+    n = 4
+    total = 0.0
+    for i, x in enumerate(logits.tolist()):
+        y = 1.0 if i % n == 0 else 0.0
+        p = 1 / (1 + math.exp(-x))
+        total += -(y * math.log(p) + (1 - y) * math.log(1 - p))
+    assert pointwise_bce_loss(logits, n).item() == pytest.approx(total / len(logits), rel=1e-6)  # computed in fp32
+
+
+def test_no_over_length_tokenizer_warning(tokenizer, caplog):
+    tok = AutoTokenizer.from_pretrained(tokenizer.name_or_path)  # fresh: transformers warns once per tokenizer
+    with caplog.at_level("WARNING"):
+        collate_rerank(tok, ["q"], [["word " * 2000]], PAIR, 64)
+        assert "longer than the specified maximum" not in caplog.text
+        tok("word " * 2000)  # the reference: an untruncated encoding does warn, and is caught here
+        assert "longer than the specified maximum" in caplog.text
