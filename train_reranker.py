@@ -28,8 +28,8 @@ from retrieval_kit.encode import grad_cache_reranker
 from retrieval_kit.export import export_reranker, kit_only_reasons
 from retrieval_kit.losses import RERANK_LOSSES, listwise_loss
 from retrieval_kit.metrics import WindowedAverage, group_metric_sums
-from retrieval_kit.models import (CrossEncoder, default_model_dir, is_decoder_only, load_reranker, make_bidirectional,
-                                  setup_pad_token)
+from retrieval_kit.models import (CrossEncoder, default_model_dir, fresh_head_params, is_decoder_only, load_reranker,
+                                  make_bidirectional, setup_pad_token)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHUNK_TOKENS = 1024  # measured faster on the default model and data (README, Benchmark)
@@ -75,6 +75,8 @@ def parse_args(argv=None):
                    help="listwise = cross-entropy over each query's group, positive first; bce = pointwise binary "
                         "cross-entropy, positive 1 / negatives 0 (default listwise)")
     optim.add_optim_args(p, lr=2e-4, max_steps=60, warmup_steps=6)
+    p.add_argument("--head-lr-mult", type=float, default=1.0,
+                   help="learning rate of the head (classifier, and BERT's pooler) = --lr x this (default 1)")
     precision.add_precision_args(p)
     dist.add_dist_args(p)
 
@@ -189,7 +191,8 @@ def main():
     eval_model = model.module if args.parallel == "ddp" else model  # no DDP bookkeeping in validation
 
     # ----- optimizer, schedule; resume, part 2: optimizer -> scheduler -> loop state ------------
-    optimizer = optim.build_optimizer(optim.param_groups(net, args.weight_decay), args.lr,
+    groups = optim.scale_lr(optim.param_groups(net, args.weight_decay), fresh_head_params(net), args.lr, args.head_lr_mult)
+    optimizer = optim.build_optimizer(groups, args.lr,
                                       (args.adam_beta1, args.adam_beta2), args.adam_eps)
     scheduler = optim.build_scheduler(optimizer, args.warmup_steps, args.max_steps, args.lr_schedule)
     loss_avg = WindowedAverage(args.loss_avg_window)

@@ -75,7 +75,7 @@ class PairLayout:
     puts the template's literal text around the query and passage inside the tokenizer's
     single-sequence specials (type ids 0). Query, passage and each literal piece are tokenized on
     their own, which is how a tokenizer encodes a pair; so an export whose tokenizer carries this
-    layout as its pair post-processor (`export_pair_template`) encodes `tokenizer(query, passage)`
+    layout as its pair post-processor (`pair_post_processor`) encodes `tokenizer(query, passage)`
     to the very same ids.
     """
 

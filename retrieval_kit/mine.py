@@ -52,6 +52,7 @@ def main(argv=None):
     """
     import argparse
     import json
+    import os
 
     from transformers import AutoTokenizer
 
@@ -100,6 +101,7 @@ def main(argv=None):
     negs = mine_hard_negatives(q_emb, p_emb, [[index[p] for p in r.pos] for r in records], args.k, args.skip_top,
                                args.max_score_ratio if args.max_score_ratio > 0 else None, texts, args.depth)
     if ctx.is_main:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         kept = [(r, n) for r, n in zip(records, negs) if n]  # a query with no negative left teaches nothing
         with open(args.out, "w", encoding="utf-8") as f:
             for r, n in kept:

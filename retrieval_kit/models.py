@@ -201,6 +201,19 @@ def rerank_head(model):
     raise ValueError(f"{type(model).__name__}: no `score` or `classifier` linear head found")
 
 
+def fresh_head_params(model):
+    """The params of a *ForSequenceClassification model's head: the final linear layer and, for BERT,
+    the pooler in front of it (untrained in checkpoints trained for mean pooling, such as MiniLM)."""
+    params = list(rerank_head(model).parameters())
+    head = getattr(model, "classifier", None)
+    if head is not None and not isinstance(head, torch.nn.Linear):
+        params = list(head.parameters())  # RoBERTa-style dense -> out_proj
+    pooler = getattr(model.base_model, "pooler", None)
+    if pooler is not None:
+        params += list(pooler.parameters())
+    return params
+
+
 class CrossEncoder(torch.nn.Module):
     """A sequence-classification model scoring each (query, passage) pair with one logit.
 

@@ -35,6 +35,20 @@ def param_groups(model, weight_decay):
     return groups
 
 
+def scale_lr(groups, params, lr, mult):
+    """Split each param group in two: `params` get lr * mult (an explicit per-group "lr", which the
+    schedule scales like the rest), the others keep the optimizer's lr. mult 1 changes nothing."""
+    if mult == 1.0:
+        return groups
+    chosen, out = {id(p) for p in params}, []
+    for g in groups:
+        for pick, extra in ((False, {}), (True, {"lr": lr * mult})):
+            idx = [i for i, p in enumerate(g["params"]) if (id(p) in chosen) == pick]
+            if idx:
+                out.append({**g, "params": [g["params"][i] for i in idx], "names": [g["names"][i] for i in idx], **extra})
+    return out
+
+
 def step_if_finite(optimizer, scheduler, grad_norm, bad_in_a_row, max_bad_steps, step):
     """Optimizer and scheduler step when the global grad norm is finite, else skip the update.
 

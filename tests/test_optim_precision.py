@@ -61,3 +61,37 @@ def test_resolve_storage_dtype():
         r("bf16", force_fp32_params=True)
     with pytest.raises(ValueError, match="unknown dtype"):
         precision.parse_dtype("fp8")
+
+
+def test_head_lr_mult_scales_only_the_fresh_head():
+    from transformers import BertForSequenceClassification
+
+    from retrieval_kit.models import fresh_head_params
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(tiny_bert_config(100, num_labels=1))
+    base = optim.param_groups(model, 0.1)
+    assert optim.scale_lr(base, fresh_head_params(model), 1e-3, 1.0) is base  # 1 = off
+    groups = optim.scale_lr(base, fresh_head_params(model), 1e-3, 10.0)
+    head = {n for g in groups if "lr" in g for n in g["names"]}
+    assert head == {"classifier.weight", "classifier.bias", "bert.pooler.dense.weight", "bert.pooler.dense.bias"}
+    assert sorted(n for g in groups for n in g["names"]) == sorted(n for g in base for n in g["names"])
+    opt = optim.build_optimizer(groups, lr=1e-3)
+    sched = optim.build_scheduler(opt, 2, 10, "linear")
+    for _ in range(3):  # the schedule scales both rates alike: the ratio stays 10
+        opt.step()
+        sched.step()
+        head_lr = {g["lr"] for g in opt.param_groups if "classifier.weight" in g["names"]}.pop()
+        body_lr = {g["lr"] for g in opt.param_groups if "bert.embeddings.word_embeddings.weight" in g["names"]}.pop()
+        assert head_lr > 0 and head_lr == pytest.approx(10 * body_lr)
+    # a step moves the head by lr x 10: AdamW's first update is lr * sign(grad) for every element
+    model2 = BertForSequenceClassification(tiny_bert_config(100, num_labels=1))
+    model2.load_state_dict(model.state_dict())
+    groups = optim.scale_lr(optim.param_groups(model2, 0.0), fresh_head_params(model2), 1e-3, 10.0)
+    opt = torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.0)
+    before = {n: p.detach().clone() for n, p in model2.named_parameters()}
+    model2(input_ids=torch.tensor([[1, 5, 7, 2]])).logits.sum().backward()
+    opt.step()
+    moved = {n: (p.detach() - before[n]).abs().max().item() for n, p in model2.named_parameters() if p.grad is not None}
+    assert moved["classifier.weight"] == pytest.approx(1e-2, rel=1e-2)  # lr g / (|g| + eps): just under lr
+    assert moved["bert.encoder.layer.0.attention.self.query.weight"] == pytest.approx(1e-3, rel=1e-2)

@@ -46,9 +46,12 @@ def test_bf16_run_resumed_with_force_fp32_on_two_ranks(tiny_model_dir, small_tra
 
 
 def test_fp32_master_weights_with_bf16_autocast(tiny_model_dir, small_train_file, tmp_path):
-    run_script("train_reranker.py", ["--model", tiny_model_dir, "--train-file", small_train_file, "--batch-size", 4,
-                                     "--n-passages", 2, "--val-file", "", "--rerank-max-length", 64, "--max-steps", 2,
-                                     "--force-fp32-params", "--autocast-dtype", "bf16", "--output-dir", tmp_path])
+    proc = run_script("train_reranker.py", ["--model", tiny_model_dir, "--train-file", small_train_file, "--batch-size", 4,
+                                            "--n-passages", 2, "--val-file", "", "--rerank-max-length", 64, "--max-steps", 2,
+                                            "--force-fp32-params", "--autocast-dtype", "bf16", "--pooling", "avg",
+                                            "--output-dir", tmp_path])
+    assert "warning: kit-only reranker: --pooling avg" in proc.stdout  # named at start-up
+    assert ckpt.load_settings(str(tmp_path / "final"))["portable"] is False
     state = torch.load(tmp_path / "step_000002" / "optimizer.pt", weights_only=True)["state"]
     assert {s["exp_avg"].dtype for s in state.values()} == {torch.float32}
     assert {v.dtype for v in load_file(str(tmp_path / "step_000002" / "model.safetensors")).values()} == {torch.float32}

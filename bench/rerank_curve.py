@@ -1,0 +1,100 @@
+"""Retrieve-then-rerank quality along a reranker run: nDCG@10 etc. at each checkpoint and top-k.
+
+    python bench/rerank_curve.py --biencoder runs/biencoder/final --run runs/reranker \\
+        --beir data/eval data/ood --top-k 5 10 20
+
+The bi-encoder retrieves once per BEIR set; each checkpoint's weights (`step_*/model.safetensors`)
+are loaded into the run's exported reranker (`final/`, which brings the tokenization), the top
+max(--top-k) of every query are scored once, and each top-k is reranked from those scores.
+"""
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from retrieval_kit import ckpt  # noqa: E402
+from retrieval_kit.encode import score_groups  # noqa: E402
+from retrieval_kit.evaluate import biencoder_settings, fuse_scores, load_beir, retrieve  # noqa: E402
+from retrieval_kit.export import load_exported_reranker, rerank_layout  # noqa: E402
+from retrieval_kit.metrics import rank_docs, retrieval_metrics  # noqa: E402
+from retrieval_kit.models import load_encoder  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--biencoder", required=True)
+    ap.add_argument("--run", required=True, help="reranker run folder (step_* checkpoints and final/)")
+    ap.add_argument("--beir", nargs="+", default=["data/eval", "data/ood"])
+    ap.add_argument("--top-k", type=int, nargs="+", default=[5, 10, 20])
+    ap.add_argument("--weights", type=float, nargs="+", default=[1.0],
+                    help="reranker weights for evaluate.fuse_scores (1 = reranker alone)")
+    ap.add_argument("--steps", type=int, nargs="*", default=None, help="only these checkpoint steps")
+    ap.add_argument("--output", default=None, help="write the table as JSON here")
+    args = ap.parse_args()
+
+    defaults = {"pooling": "avg", "normalize": True, "query_prefix": "", "passage_prefix": "",
+                "query_max_length": 32, "passage_max_length": 128}
+    s = biencoder_settings(args.biencoder, defaults)
+    tok = AutoTokenizer.from_pretrained(args.biencoder)
+    enc = load_encoder(args.biencoder)
+    sets = {}
+    for b in args.beir:
+        beir = load_beir(b)
+        run = retrieve(enc, tok, s, beir, k=100)
+        sets[b] = (beir, run, retrieval_metrics(run, beir[3]))
+        print(f"{b}: bi-encoder nDCG@10 {sets[b][2]['ndcg@10']:.4f}", flush=True)
+    del enc
+
+    model, rtok, settings = load_exported_reranker(os.path.join(args.run, "final"))
+    layout = rerank_layout(rtok, settings)
+    steps = sorted(glob.glob(os.path.join(args.run, "step_*")))
+    if args.steps is not None:
+        steps = [d for d in steps if int(d.rsplit("_", 1)[1]) in args.steps]
+    col = lambda b, k, w: f"{os.path.basename(b)}@{k}" + (f",w={w:g}" if w < 1 else "")  # noqa: E731
+    rows = [{"step": "bi-encoder", **{col(b, k, w): m["ndcg@10"] for b, (_, _, m) in sets.items()
+                                      for k in args.top_k for w in args.weights}}]
+    kmax = max(args.top_k)
+    for d in steps:
+        ckpt.load_model_weights(model.model, d)
+        row, t0 = {"step": int(d.rsplit("_", 1)[1])}, time.perf_counter()
+        for b, (beir, run, _) in sets.items():
+            ids, texts, queries, qrels = beir
+            text_of = dict(zip(ids, texts))
+            scored = {}
+            for qid in sorted(run):
+                head = rank_docs(run[qid])[:kmax]
+                sc = score_groups(model, rtok, [queries[qid]], [[text_of[x] for x in head]], settings, layout=layout)[0]
+                scored[qid] = (head, sc)
+            for k in args.top_k:
+                for w in args.weights:
+                    run2 = {}
+                    for qid, (head, sc) in scored.items():
+                        bi = torch.tensor([run[qid][x] for x in head[:k]])
+                        top = fuse_scores(sc[:k], bi, w).argsort(descending=True).tolist()
+                        order = [head[i] for i in top] + rank_docs(run[qid])[k:]
+                        run2[qid] = {x: float(len(order) - i) for i, x in enumerate(order)}
+                    row[col(b, k, w)] = retrieval_metrics(run2, qrels)["ndcg@10"]
+        row["score_s"] = round(time.perf_counter() - t0, 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    keys = [k for k in rows[0] if k != "step"]
+    print("\nnDCG@10 (set@top-k reranked)")
+    print(f"{'step':>12}" + "".join(f"{k:>14}" for k in keys))
+    for r in rows:
+        print(f"{str(r['step']):>12}" + "".join(f"{r[k]:14.4f}" for k in keys))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()
