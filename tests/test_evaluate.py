@@ -145,3 +145,14 @@ def test_fuse_scores_standardises_each_stage():
     assert fuse_scores(rr, bi, 0.0).argsort(descending=True).tolist() == [1, 2, 0]  # bi-encoder order
     # by hand: z(rr) = (1, -1, 0), z(bi) = (-1, 1, 0) (sample std 2 and 0.1); w = 0.75 -> (0.5, -0.5, 0)
     assert fuse_scores(rr, bi, 0.75).tolist() == pytest.approx([0.5, -0.5, 0.0], abs=1e-6)  # fp32 inputs
+
+
+def test_mine_leaves_out_queries_with_no_negative(tiny_model_dir, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(line for line in open(os.path.join(ROOT, "data", "val.jsonl")).readlines()[:3]))
+    out = tmp_path / "sub" / "mined.jsonl"  # the folder does not exist yet
+    # a score ratio far below any candidate's: every candidate is dropped as a likely false negative
+    proc = run_module(["-m", "retrieval_kit.mine", "--input", src, "--out", out, "--model", tiny_model_dir,
+                       "--k", 2, "--max-score-ratio", 1e-6])
+    assert read_jsonl(out) == []
+    assert "3 left out" in proc.stdout
