@@ -71,12 +71,13 @@ def parse_args(argv=None):
     g.add_argument("--bidirectional", action="store_true", help="drop a decoder's causal mask (attend both ways)")
     g.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dir")
 
+    g = p.add_argument_group("loss")
     g.add_argument("--loss", choices=tuple(RERANK_LOSSES), default="listwise",
                    help="listwise = cross-entropy over each query's group, positive first; bce = pointwise binary "
                         "cross-entropy, positive 1 / negatives 0 (default listwise)")
-    optim.add_optim_args(p, lr=2e-4, max_steps=60, warmup_steps=6)
-    p.add_argument("--head-lr-mult", type=float, default=1.0,
+    g.add_argument("--head-lr-mult", type=float, default=1.0,
                    help="learning rate of the head (classifier, and BERT's pooler) = --lr x this (default 1)")
+    optim.add_optim_args(p, lr=2e-4, max_steps=60, warmup_steps=6)
     precision.add_precision_args(p)
     dist.add_dist_args(p)
 
