@@ -140,6 +140,8 @@ def main():
         raise SystemExit(f"{args.train_file}: {len(records)} records are fewer than one global batch "
                          f"({args.batch_size} x {ctx.world_size} ranks)")
 
+    if args.head_lr_mult <= 0:
+        raise SystemExit(f"--head-lr-mult must be positive, got {args.head_lr_mult}")
     if args.grad_cache and args.static_graph:
         raise SystemExit("--grad-cache runs several forward/backward passes per step, which DDP's --static-graph "
                          "does not allow; drop one of them")
@@ -163,7 +165,7 @@ def main():
     try:
         layout = pair_layout(tokenizer, template, args.append_eos)  # how every pair becomes ids, train and eval
     except ValueError as e:
-        raise SystemExit(f"--prompt-template: {e}") from None
+        raise SystemExit(str(e)) from None  # names the flag at fault
     for reason in kit_only_reasons(args.pooling, args.bidirectional):
         dist.print0(f"warning: kit-only reranker: {reason}; score the export with retrieval_kit, not "
                     "AutoModelForSequenceClassification or CrossEncoder")

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from retrieval_kit import ckpt  # noqa: E402
 from retrieval_kit.encode import score_groups  # noqa: E402
-from retrieval_kit.evaluate import biencoder_settings, fuse_scores, load_beir, retrieve  # noqa: E402
+from retrieval_kit.evaluate import biencoder_settings, fuse_scores, load_beir, reorder, retrieve  # noqa: E402
 from retrieval_kit.export import load_exported_reranker, rerank_layout  # noqa: E402
 from retrieval_kit.metrics import rank_docs, retrieval_metrics  # noqa: E402
 from retrieval_kit.models import load_encoder  # noqa: E402
@@ -78,9 +78,7 @@ def main():
                     run2 = {}
                     for qid, (head, sc) in scored.items():
                         bi = torch.tensor([run[qid][x] for x in head[:k]])
-                        top = fuse_scores(sc[:k], bi, w).argsort(descending=True).tolist()
-                        order = [head[i] for i in top] + rank_docs(run[qid])[k:]
-                        run2[qid] = {x: float(len(order) - i) for i, x in enumerate(order)}
+                        run2[qid] = reorder(rank_docs(run[qid]), fuse_scores(sc[:k], bi, w))
                     row[col(b, k, w)] = retrieval_metrics(run2, qrels)["ndcg@10"]
         row["score_s"] = round(time.perf_counter() - t0, 1)
         rows.append(row)

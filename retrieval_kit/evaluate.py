@@ -95,6 +95,14 @@ def fuse_scores(rr, bi, weight):
     return weight * z(rr.double()) + (1.0 - weight) * z(bi.double())
 
 
+def reorder(ranked, head_scores):
+    """{doc id: run score} with the first len(head_scores) docs of `ranked` ordered by those scores and
+    the rest below them in their order (scores distinct and decreasing)."""
+    k = len(head_scores)
+    order = [ranked[i] for i in head_scores.argsort(descending=True).tolist()] + ranked[k:]
+    return {d: float(len(order) - i) for i, d in enumerate(order)}
+
+
 def rerank(run, model, tokenizer, settings, beir, top_k=10, batch_size=16, device="cpu", progress=False, weight=0.5):
     """Second stage: rescore each query's top_k with a cross-encoder (fused with the bi-encoder's
     scores when weight < 1, fuse_scores); the rest keep their order below. Queries are split over
@@ -112,12 +120,10 @@ def rerank(run, model, tokenizer, settings, beir, top_k=10, batch_size=16, devic
     mine = {}
     for qid in tqdm(shard(sorted(run), rank, world), desc="rerank", unit="query", disable=not progress):
         ranked = rank_docs(run[qid])
-        head, tail = ranked[:top_k], ranked[top_k:]
+        head = ranked[:top_k]
         s = score_groups(model, tokenizer, [queries[qid]], [[text_of[d] for d in head]], settings, batch_size, device,
                          layout)[0]
-        s = fuse_scores(s, torch.tensor([run[qid][d] for d in head]), weight)
-        order = [head[i] for i in s.argsort(descending=True).tolist()] + tail
-        mine[qid] = {d: float(len(order) - i) for i, d in enumerate(order)}  # distinct, decreasing
+        mine[qid] = reorder(ranked, fuse_scores(s, torch.tensor([run[qid][d] for d in head]), weight))
     if world == 1:
         return mine
     parts = [None] * world
@@ -146,6 +152,13 @@ def main(argv=None):
     ap.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dirs")
     ap.add_argument("--output", default=None, help="write the metrics as JSON here")
     args = ap.parse_args(argv)
+    if not 0.0 <= args.rerank_weight <= 1.0:
+        ap.error(f"--rerank-weight must be between 0 and 1, got {args.rerank_weight}")
+    if args.rerank_top_k < 1:
+        ap.error(f"--rerank-top-k must be at least 1, got {args.rerank_top_k}")
+    for flag, path in (("--beir", args.beir), ("--model", args.model), ("--reranker", args.reranker)):
+        if path is not None and not os.path.isdir(path):  # before any corpus is encoded
+            ap.error(f"{flag} {path}: no such folder")
 
     ctx = dist.init()
     beir = load_beir(args.beir, args.split)

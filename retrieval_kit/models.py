@@ -204,10 +204,10 @@ def rerank_head(model):
 def fresh_head_params(model):
     """The params of a *ForSequenceClassification model's head: the final linear layer and, for BERT,
     the pooler in front of it (untrained in checkpoints trained for mean pooling, such as MiniLM)."""
-    params = list(rerank_head(model).parameters())
     head = getattr(model, "classifier", None)
-    if head is not None and not isinstance(head, torch.nn.Linear):
-        params = list(head.parameters())  # RoBERTa-style dense -> out_proj
+    if not isinstance(head, torch.nn.Module) or isinstance(head, torch.nn.Linear):
+        head = rerank_head(model)  # else a RoBERTa-style dense -> out_proj head, all of it
+    params = list(head.parameters())
     pooler = getattr(model.base_model, "pooler", None)
     if pooler is not None:
         params += list(pooler.parameters())

@@ -156,3 +156,14 @@ def test_mine_leaves_out_queries_with_no_negative(tiny_model_dir, tmp_path):
                        "--k", 2, "--max-score-ratio", 1e-6])
     assert read_jsonl(out) == []
     assert "3 left out" in proc.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--rerank-weight", "2"], "--rerank-weight must be between 0 and 1"),
+    (["--rerank-top-k", "0"], "--rerank-top-k must be at least 1"),
+    (["--reranker", "/nonexistent"], "--reranker /nonexistent: no such folder"),
+])
+def test_evaluate_bad_flags_are_one_message(args, message):
+    out = subprocess.run([sys.executable, "-m", "retrieval_kit.evaluate", "--beir", "data/ood", *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr
