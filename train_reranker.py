@@ -13,38 +13,26 @@ are named at start-up as kit-only.
 """
 
 import argparse
-import math
+import functools
 import os
-import random
-import time
 
-import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from retrieval_kit import ckpt, data, dist, log, optim, precision
-from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, collate_rerank, pair_layout
-from retrieval_kit.encode import grad_cache_reranker
+from retrieval_kit import ckpt, data, dist, log, loop, optim, precision
+from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, pair_layout, rerank_inputs
 from retrieval_kit.export import export_reranker, kit_only_reasons
 from retrieval_kit.losses import RERANK_LOSSES, listwise_loss
-from retrieval_kit.metrics import WindowedAverage, group_metric_sums
+from retrieval_kit.metrics import WindowedAverage, top1
 from retrieval_kit.models import (CrossEncoder, default_model_dir, fresh_head_params, is_decoder_only, load_reranker,
                                   make_bidirectional, setup_pad_token)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CHUNK_TOKENS = 1024  # measured faster on the default model and data (README, Benchmark)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("data")
-    g.add_argument("--train-file", default=os.path.join(HERE, "data", "train.jsonl"), help="training JSONL")
-    g.add_argument("--val-file", default=os.path.join(HERE, "data", "val.jsonl"),
-                   help="held-out JSONL for validation ('' to skip)")
-    g.add_argument("--val-max-groups", type=int, default=0, help="validate on the first N groups (0 = all)")
-    g.add_argument("--val-n-passages", type=int, default=4, help="pairs per validation group (1 positive + N-1 negatives)")
-    g.add_argument("--n-passages", type=int, default=4, help="pairs per query: 1 positive + N-1 hard negatives")
-    g.add_argument("--batch-size", type=int, default=4, help="queries per rank per micro-batch (x n-passages pairs)")
+    g = data.add_data_args(p, os.path.join(HERE, "data"), n_passages=4, batch_size=4, unit="pairs")
     g.add_argument("--prompt-template", default="auto",
                    help="how a pair becomes tokens: 'pair' = the tokenizer's own pair encoding ([CLS] q [SEP] p [SEP] "
                         "with token type ids), or a template holding {query} and {passage}; auto = 'pair' for "
@@ -54,13 +42,6 @@ def parse_args(argv=None):
     g.add_argument("--append-eos", action="store_true", help="append the EOS token to each pair (decoders, last-token pooling)")
     g.add_argument("--padding-side", choices=("auto", "left", "right"), default="auto",
                    help="pad side for pairs (auto = the tokenizer's own)")
-    g.add_argument("--pad-to-multiple-of", type=int, default=8, help="round padded lengths up to this (0 = off)")
-    g.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS,
-                   help="encode each batch in length-sorted chunks of at most this many padded tokens, each "
-                        f"padded only to its own longest row; same loss and grads (0 = off; default {CHUNK_TOKENS})")
-    g.add_argument("--grad-cache", action="store_true",
-                   help="GradCache: score every pair without a graph, then re-score chunk by chunk (--chunk-tokens) "
-                        "backpropagating cached score grads; same loss and grads, memory flat in batch size")
 
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="HF model dir (default: the bundled all-MiniLM-L6-v2)")
@@ -80,12 +61,7 @@ def parse_args(argv=None):
     optim.add_optim_args(p, lr=2e-4, max_steps=60, warmup_steps=6)
     precision.add_precision_args(p)
     dist.add_dist_args(p)
-
-    g = p.add_argument_group("run")
-    g.add_argument("--log-every", type=int, default=1, help="log train scalars every N steps")
-    g.add_argument("--loss-avg-window", type=int, default=50, help="window of the smoothed loss")
-    g.add_argument("--val-every", type=int, default=30, help="validate every N steps (and at step 0 and the end)")
-    g.add_argument("--val-batch-size", type=int, default=16, help="queries per validation batch")
+    loop.add_run_args(p, val_batch_size=16)
     ckpt.add_ckpt_args(p, output_dir="runs/reranker")
     return p.parse_args(argv)
 
@@ -97,26 +73,19 @@ def tokenization_settings(args, tokenizer, template):
             "pad_to_multiple_of": args.pad_to_multiple_of}
 
 
-@torch.no_grad()
-def validate(model, tokenizer, layout, records, args, ctx, autocast_dtype):
-    """Listwise loss, acc@1 and MRR over each query's own group, reduced over ranks."""
-    model.eval()
-    n = args.val_n_passages
-    loss_sum, acc_sum, rr_sum, count = 0.0, 0.0, 0.0, 0.0
-    for recs, counted in data.eval_batches(records, args.val_batch_size, ctx.rank, ctx.world_size):
-        batch = collate_rerank(tokenizer, [r.query for r in recs], [data.fixed_group(r, n) for r in recs],
-                               max_length=args.rerank_max_length, pad_to_multiple_of=args.pad_to_multiple_of,
-                               layout=layout)
-        with precision.autocast(ctx.device.type, autocast_dtype):
-            logits = model(batch.to(ctx.device))  # (b * n,)
-        if not counted:
-            continue
-        loss_sum += listwise_loss(logits, n).item() * len(recs)
-        a, r, c = group_metric_sums(logits.float().view(-1, n))
-        acc_sum, rr_sum, count = acc_sum + a, rr_sum + r, count + c
-    loss_sum, acc_sum, rr_sum, count = dist.all_reduce_sum([loss_sum, acc_sum, rr_sum, count])
-    model.train()
-    return {"loss": loss_sum / count, "acc@1": acc_sum / count, "mrr": rr_sum / count}
+def group_loss(out, n, loss):
+    """loss_fn of a step: the reranker loss over query-major groups of n pairs, positive first, and
+    each query's top-1 accuracy (ties count against the positive)."""
+    logits = out["pairs"]  # (B * n,)
+    return loss(logits, n), top1(logits.detach().view(-1, n), 0)
+
+
+def score_groups(model, queries, groups, collate, device, autocast_dtype):
+    """Validation: each query's own group -> ((b, n) logits, mean listwise loss)."""
+    inputs = loop.to_device(collate(queries, groups), device)
+    with precision.autocast(device.type, autocast_dtype):
+        logits = model(**inputs)["pairs"]  # (b * n,)
+    return logits.float().view(len(queries), -1), listwise_loss(logits, len(groups[0]))
 
 
 def main():
@@ -124,32 +93,18 @@ def main():
 
     # ----- distributed, seeds ------------------------------------------------------------------
     ctx = dist.init()
-    random.seed(args.seed + ctx.rank)
-    np.random.seed(args.seed + ctx.rank)
-    torch.manual_seed(args.seed)  # same fresh head on every rank; DDP also broadcasts it
+    dist.seed_all(args.seed, ctx.rank, torch_per_rank=False)  # the same fresh head on every rank
 
     # ----- data: read and validate everything before any model is loaded -----------------------
-    records, warnings = data.read_records(args.train_file, args.n_passages)
-    val_records = data.read_records(args.val_file, args.val_n_passages)[0] if args.val_file else []
-    if args.val_max_groups:
-        val_records = val_records[:args.val_max_groups]
-    for w in warnings:
-        dist.print0(f"warning: {args.train_file}: {w}")
-    spe = data.steps_per_epoch(len(records), args.batch_size, ctx.world_size)
-    if spe == 0:
-        raise SystemExit(f"{args.train_file}: {len(records)} records are fewer than one global batch "
-                         f"({args.batch_size} x {ctx.world_size} ranks)")
-
+    records, val_records = data.read_train_val(args.train_file, args.n_passages, args.val_file, args.val_n_passages,
+                                               args.val_max_groups, args.batch_size, ctx.world_size)
     if args.head_lr_mult <= 0:
         raise SystemExit(f"--head-lr-mult must be positive, got {args.head_lr_mult}")
-    if args.grad_cache and args.static_graph:
-        raise SystemExit("--grad-cache runs several forward/backward passes per step, which DDP's --static-graph "
-                         "does not allow; drop one of them")
+    loop.check_step_flags(args.grad_cache, args.static_graph)
 
-    # ----- model in the storage dtype ------------------------------------------------------------
-    storage_dtype = precision.resolve_storage_dtype(args.torch_dtype, args.force_fp32_params)
-    compute_dtype = precision.parse_dtype(args.compute_dtype)
-    autocast_dtype = compute_dtype if args.parallel == "ddp" else None  # FSDP2: the MixedPrecisionPolicy
+    # ----- model in the storage dtype, how pairs become tokens; resume, part 1: weights -> cast ---
+    storage_dtype, compute_dtype, autocast_dtype = precision.resolve(args.torch_dtype, args.force_fp32_params,
+                                                                     args.compute_dtype, args.parallel)
     model_dir = args.model or default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
     if args.padding_side != "auto":
@@ -170,149 +125,84 @@ def main():
         dist.print0(f"warning: kit-only reranker: {reason}; score the export with retrieval_kit, not "
                     "AutoModelForSequenceClassification or CrossEncoder")
     torch.manual_seed(args.seed + ctx.rank)  # from here on (dropout) each rank draws its own numbers
-
-    # ----- resume, part 1: model weights -> cast to the storage dtype ---------------------------
     resume_dir = ckpt.resolve_resume(args.resume, args.output_dir)
     if resume_dir:
-        ckpt.load_model_weights(net, resume_dir)
-        net.to(storage_dtype)
+        ckpt.restore_model(net, resume_dir, storage_dtype)
 
     # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------
-    if args.activation_checkpointing:
-        dist.enable_activation_checkpointing(net)
-    if args.compile:
-        for layer in dist.transformer_layers(net):
-            layer.compile()  # in place: no `_orig_mod.` in any key
-    model = CrossEncoder(net, args.pooling, args.chunk_tokens)
-    if args.parallel == "fsdp2":
-        model = dist.wrap_fsdp2(model, dist.transformer_layers(net), precision.mp_policy(compute_dtype),
-                                args.reshard_after_forward)
-    else:
-        model = dist.wrap_ddp(model, ctx, broadcast_buffers=args.broadcast_buffers,
-                              find_unused_parameters=args.find_unused_parameters, static_graph=args.static_graph,
-                              bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
-    eval_model = model.module if args.parallel == "ddp" else model  # no DDP bookkeeping in validation
+    model, eval_model = dist.wrap(
+        CrossEncoder(net, args.pooling), net, ctx, args.parallel, args.activation_checkpointing, args.compile,
+        precision.mp_policy(compute_dtype), args.reshard_after_forward, args.broadcast_buffers,
+        args.find_unused_parameters, args.static_graph, args.bucket_cap_mb, args.gradient_as_bucket_view)
 
     # ----- optimizer, schedule; resume, part 2: optimizer -> scheduler -> loop state ------------
     groups = optim.scale_lr(optim.param_groups(net, args.weight_decay), fresh_head_params(net), args.lr, args.head_lr_mult)
-    optimizer = optim.build_optimizer(groups, args.lr,
-                                      (args.adam_beta1, args.adam_beta2), args.adam_eps)
+    optimizer = optim.build_optimizer(groups, args.lr, (args.adam_beta1, args.adam_beta2), args.adam_eps)
     scheduler = optim.build_scheduler(optimizer, args.warmup_steps, args.max_steps, args.lr_schedule)
-    loss_avg = WindowedAverage(args.loss_avg_window)
-    start_step, skipped = 0, 0
+    state = loop.LoopState(loss_avg=WindowedAverage(args.loss_avg_window))
+    tok_settings = tokenization_settings(args, tokenizer, template)
     if resume_dir:
-        ckpt.load_optimizer(optimizer, resume_dir, wrapped=model)
-        ckpt.load_scheduler(scheduler, resume_dir)
-        meta = ckpt.load_meta(resume_dir)
-        start_step = meta["step"]
-        loss_avg.load_state_dict(meta["loop"]["loss_avg"])
-        skipped = meta["loop"].get("skipped_steps", 0)
+        meta = ckpt.load_training_state(resume_dir, optimizer, scheduler, ctx.rank, wrapped=model)
+        state.load(meta)
         saved = meta["loop"].get("tokenization", {})
-        changed = {k: (saved[k], v) for k, v in tokenization_settings(args, tokenizer, template).items()
-                   if k in saved and saved[k] != v}
+        changed = {k: (saved[k], v) for k, v in tok_settings.items() if k in saved and saved[k] != v}
         if changed:
             dist.print0(f"warning: tokenization differs from the checkpoint's (saved, now): {changed}")
-        ckpt.load_rng(resume_dir, ctx.rank)
-        dist.print0(f"resumed from {resume_dir} at step {start_step}")
-    precision.check_optimizer_state_dtype(optimizer)
+    start_step = state.step
+
+    # ----- batches, built ahead; the step, decided once -----------------------------------------
+    collate = functools.partial(rerank_inputs, tokenizer=tokenizer, layout=layout, max_length=args.rerank_max_length,
+                                pad_to_multiple_of=args.pad_to_multiple_of, chunk_tokens=args.chunk_tokens)
+    workers = loop.num_workers(args.num_workers, ctx.device)
+    dataset = data.StepBatches(records, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed, collate)
+    batches = loop.step_batches(dataset, start_step, args.max_steps, args.grad_accum_steps, workers, ctx.device)
+    loss_fn = functools.partial(group_loss, n=args.n_passages, loss=RERANK_LOSSES[args.loss])
+    fwd_bwd = functools.partial(loop.grad_cache_step if args.grad_cache else loop.plain_step, loss_fn=loss_fn,
+                                accum=args.grad_accum_steps, autocast=(ctx.device.type, autocast_dtype))
+    val_score = functools.partial(score_groups, collate=collate, device=ctx.device, autocast_dtype=autocast_dtype)
 
     # ----- logging -------------------------------------------------------------------------------
-    tok_settings = tokenization_settings(args, tokenizer, template)
-    header = log.run_header(args, ctx.world_size, ctx.device)
-    header.update(model_dir=model_dir, storage_dtype=str(storage_dtype), tokenization=tok_settings,
-                  n_train=len(records), n_val=len(val_records), steps_per_epoch=spe)
-    logger = log.Logger(args.output_dir, header, args.max_steps, start_step, enabled=ctx.is_main,
-                        bar_keys=("loss", "loss_avg_window", "acc", "lr", "samples_per_s"))
-    dist.print0(f"world {ctx.world_size} on {ctx.device}; {len(records)} train groups, {len(val_records)} val; "
-                f"{args.batch_size * ctx.world_size * args.grad_accum_steps} queries x {args.n_passages} "
-                f"pairs per step; {args.parallel}, storage {storage_dtype}, compute {compute_dtype or storage_dtype}")
+    logger = log.start(args, ctx, args.output_dir, args.max_steps, start_step, args.log_every,
+                       ("loss", "loss_avg_window", "acc", "lr", "samples_per_s"), model_dir=model_dir,
+                       storage_dtype=str(storage_dtype), tokenization=tok_settings, n_train=len(records),
+                       n_val=len(val_records), steps_per_epoch=dataset.steps_per_epoch, num_workers=workers,
+                       summary=f"world {ctx.world_size} on {ctx.device}; {len(records)} train groups, {len(val_records)} "
+                               f"val; {args.batch_size * ctx.world_size * args.grad_accum_steps} queries x {args.n_passages} pairs per "
+                               f"step; {args.parallel}, storage {storage_dtype}, compute {compute_dtype or storage_dtype}")
 
     # ----- loop ----------------------------------------------------------------------------------
-    B, n = args.batch_size, args.n_passages
-    loss_fn = RERANK_LOSSES[args.loss]
-    order_epoch, order = -1, None
-    step, bad_in_a_row, stopping = start_step, 0, False
     stop = ckpt.StopSignal()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0
     model.train()  # from_pretrained returns eval mode (no dropout); validation switches back and forth
     while True:
-        last_step = step >= args.max_steps
-
-        if val_records and not stopping and (step == start_step or step % args.val_every == 0 or last_step):
-            metrics = validate(eval_model, tokenizer, layout, val_records, args, ctx, autocast_dtype)
+        step, last_step = state.step, state.step >= args.max_steps
+        if val_records and not state.stopping and loop.eval_due(step, start_step, args.val_every, last_step):
+            metrics = loop.validate_groups(eval_model, val_records, args.val_n_passages, args.val_batch_size, ctx,
+                                           val_score)
             logger.log(step, metrics, prefix="val")
-            logger.write(f"step {step}: val loss {metrics['loss']:.4f} acc@1 {metrics['acc@1']:.4f} "
-                         f"mrr {metrics['mrr']:.4f}")
-        if step > start_step and (step % args.ckpt_every == 0 or last_step or stopping):
-            epoch, pos = divmod(step * args.grad_accum_steps, spe)
+            logger.write(f"step {step}: val " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping):
             ckpt.save_checkpoint(args.output_dir, step, net, optimizer, scheduler,
-                                 {"loss_avg": loss_avg.state_dict(), "tokenization": tok_settings, "skipped_steps": skipped,
-                                  "epoch": epoch, "position_in_epoch": pos}, vars(args), wrapped=model)
-            ckpt.prune(args.output_dir, args.keep_last)
-        if last_step or stopping:
+                                 {**state.state_dict(dataset.steps_per_epoch, args.grad_accum_steps), "tokenization": tok_settings},
+                                 vars(args), wrapped=model, keep_last=args.keep_last)
+        if last_step or state.stopping:
             break
 
-        t0 = time.perf_counter()
-        loss_sum, acc_sum, n_tokens = 0.0, 0.0, 0
+        sums = loop.StepSums(ctx.device)
         for micro in range(args.grad_accum_steps):
-            epoch, pos = divmod(step * args.grad_accum_steps + micro, spe)  # data position follows from step
-            if epoch != order_epoch:
-                order_epoch, order = epoch, data.epoch_order(len(records), args.seed, epoch)
-            idx = data.rank_batch(order, pos, B, ctx.rank, ctx.world_size)
-            groups = [data.sample_group(records[i], n, data.group_rng(args.seed, epoch, i)) for i in idx]
-            batch = collate_rerank(tokenizer, [records[i].query for i in idx], groups,
-                                   max_length=args.rerank_max_length, pad_to_multiple_of=args.pad_to_multiple_of,
-                                   layout=layout)
-            n_tokens += int(batch["attention_mask"].sum())
-            sync = micro == args.grad_accum_steps - 1
-            if args.grad_cache:  # re-score chunk by chunk with cached score grads: flat memory
-                with precision.autocast(ctx.device.type, autocast_dtype):
-                    loss, logits = grad_cache_reranker(
-                        model, batch.to(ctx.device), lambda s: loss_fn(s, n) / args.grad_accum_steps,
-                        args.chunk_tokens, sync)
-                loss = loss * args.grad_accum_steps
-            else:
-                with dist.grad_sync(model, sync):
-                    with precision.autocast(ctx.device.type, autocast_dtype):
-                        logits = model(batch.to(ctx.device))  # (B * n,)
-                    loss = loss_fn(logits, n)  # labels from the batch shape: column 0 of (B, n)
-                    (loss / args.grad_accum_steps).backward()
-            loss_sum += loss.item()
-            acc_sum += (logits.detach().view(-1, n).argmax(1) == 0).float().mean().item()
-        grad_norm = dist.clip_grad_norm(model, args.max_grad_norm if args.max_grad_norm > 0 else float("inf"),
-                                        use_buckets=args.parallel == "ddp" and args.gradient_as_bucket_view)
-        lr = scheduler.get_last_lr()[0]
-        bad_in_a_row = optim.step_if_finite(optimizer, scheduler, grad_norm, bad_in_a_row, args.max_bad_steps, step + 1)
-        skipped += bad_in_a_row > 0  # a non-finite step on any rank is skipped on all of them
-        step += 1
+            inputs = loop.to_device(next(batches), ctx.device)  # {"pairs": Chunked}
+            sums.add(inputs, *fwd_bwd(model, inputs, sync=micro == args.grad_accum_steps - 1))
+        scalars = loop.finish_step(model, optimizer, scheduler, state, sums, stop.requested, args.max_grad_norm,
+                                   args.max_bad_steps)  # clip -> step or skip -> reduce over ranks -> stop flag
+        logger.log_step(state.step, scalars)
 
-        dt = time.perf_counter() - t0
-        red = dist.reduce_mean({"loss": loss_sum / args.grad_accum_steps, "acc": acc_sum / args.grad_accum_steps,
-                                "tokens": n_tokens, "dt": dt, "stop": float(stop.requested)})
-        stopping = red["stop"] > 0  # any rank signalled: all stop after this step
-        if math.isfinite(red["loss"]):
-            loss_avg.update(red["loss"])  # a skipped step stays out of the window
-        scalars = {"loss": red["loss"], "loss_avg_window": loss_avg.value, "acc": red["acc"],
-                   "lr": lr, "grad_norm": grad_norm, "skipped_steps": skipped,
-                   "samples_per_s": B * args.grad_accum_steps * ctx.world_size / red["dt"],
-                   "tokens_per_s": red["tokens"] * ctx.world_size / red["dt"]}
-        if step % args.log_every == 0 or step == args.max_steps:
-            logger.log(step, scalars)
-        logger.advance()
-
-    if stopping:
-        logger.close()
-        dist.print0(f"stopped by {stop.name or 'a signal on another rank'} after step {step}: checkpoint saved in "
-                    f"{args.output_dir}; continue with --resume auto")
-        dist.cleanup()
-        return
+    if state.stopping:
+        return loop.stop_early(logger, stop, state.step, args.output_dir)
 
     # ----- export --------------------------------------------------------------------------------
     final = os.path.join(args.output_dir, "final")
     export_reranker(final, net, tokenizer, {"kind": "reranker", "pooling": args.pooling, "bidirectional": args.bidirectional,
                                             "loss": args.loss, **tok_settings}, args.trust_remote_code)
-    logger.close()
-    dist.print0(f"exported {final}")
-    dist.cleanup()
+    loop.end_run(logger, f"exported the reranker to {final}")
 
 
 if __name__ == "__main__":

@@ -18,15 +18,14 @@ import subprocess
 import sys
 import time
 
-import torch
 from transformers import AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.bench_train_step import peak_rss_mb, reset_peak_rss  # noqa: E402
-from retrieval_kit import data, dist, optim  # noqa: E402
+from retrieval_kit import data, dist, loop, optim  # noqa: E402
+from retrieval_kit.chunking import chunk_batch  # noqa: E402
 from retrieval_kit.collate import DEFAULT_TEMPLATE, collate_biencoder, collate_rerank  # noqa: E402
-from retrieval_kit.encode import grad_cache_biencoder, grad_cache_reranker  # noqa: E402
 from retrieval_kit.losses import contrastive_loss, listwise_loss  # noqa: E402
 from retrieval_kit.models import BiEncoder, CrossEncoder, default_model_dir, load_encoder, load_reranker  # noqa: E402
 
@@ -36,7 +35,7 @@ def one_step(batch_size, grad_cache, chunk_tokens, max_length, train_file, reran
     model_dir = default_model_dir()
     tok = AutoTokenizer.from_pretrained(model_dir)
     net = (load_reranker if reranker else load_encoder)(model_dir).train()
-    wrapped = CrossEncoder(net, "avg", chunk_tokens) if reranker else BiEncoder(net, "avg", True, chunk_tokens)
+    wrapped = CrossEncoder(net, "avg") if reranker else BiEncoder(net, "avg", True)
     model = dist.wrap_ddp(wrapped, ctx)
     opt = optim.build_optimizer(optim.param_groups(net, 0.01), 1e-5)
     records, _ = data.read_records(train_file, 2)
@@ -45,20 +44,19 @@ def one_step(batch_size, grad_cache, chunk_tokens, max_length, train_file, reran
     recs = records[:batch_size]
     queries, groups = [r.query for r in recs], [data.fixed_group(r, 2) for r in recs]
     if reranker:
-        batch = collate_rerank(tok, queries, groups, DEFAULT_TEMPLATE, max_length)
+        inputs = {"pairs": chunk_batch(collate_rerank(tok, queries, groups, DEFAULT_TEMPLATE, max_length), chunk_tokens)}
+
+        def loss_fn(out):
+            return listwise_loss(out["pairs"], 2), None
     else:
         q, p = collate_biencoder(tok, queries, groups, 32, max_length)
+        inputs = {"q": chunk_batch(q, chunk_tokens), "p": chunk_batch(p, chunk_tokens)}
+
+        def loss_fn(out):
+            return contrastive_loss(out["q"], out["p"], 2), None
     reset_peak_rss()
     t0 = time.perf_counter()
-    if reranker and grad_cache:
-        grad_cache_reranker(model, batch, lambda s: listwise_loss(s, 2), chunk_tokens)
-    elif reranker:
-        listwise_loss(model(batch), 2).backward()
-    elif grad_cache:
-        grad_cache_biencoder(model, q, p, lambda qr, pr: contrastive_loss(qr, pr, 2), chunk_tokens)
-    else:
-        qr, pr = model(q, p)
-        contrastive_loss(qr, pr, 2).backward()
+    (loop.grad_cache_step if grad_cache else loop.plain_step)(model, inputs, loss_fn, 1, True)
     opt.step()
     return {"peak_rss_mb": peak_rss_mb(), "step_s": time.perf_counter() - t0}
 

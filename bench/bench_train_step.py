@@ -1,13 +1,22 @@
-"""Training-step overhead of the kit against a bare PyTorch loop over the same batches.
+"""Training-step overhead of the kit against a bare PyTorch loop over the same batches, and where
+the kit's step time goes with batches built in the training process or in DataLoader workers.
 
     python bench/bench_train_step.py                 # default model (MiniLM) and bundled data
     python bench/bench_train_step.py --steps 10 --batch-size 16 --n-passages 2
+    python bench/bench_train_step.py --pipeline-only --workers 0 2
 
 Both sides use the same model weights, batches, loss (InfoNCE, in-batch + hard negatives,
 temperature 0.05), grad clipping and fused AdamW. The kit side is the step of train_biencoder.py
-(DDP-wrapped BiEncoder in a world of 1, collate_biencoder, contrastive_loss through the gather,
-clip, step, scheduler, reduced logging); the bare side is tokenizer -> model -> mean pool ->
-cross_entropy -> backward -> clip -> step. Steps alternate kit / bare so drift hits both alike.
+(DDP-wrapped BiEncoder in a world of 1, collate.biencoder_inputs, the script's loss through the
+gather, loop.plain_step or loop.grad_cache_step, loop.finish_step); the bare side is tokenizer ->
+model -> mean pool -> cross_entropy -> backward -> clip -> step. Steps alternate kit / bare so
+drift hits both alike.
+
+The pipeline section runs train_biencoder.py's own batch pipeline (data.StepBatches through
+loop.step_batches) for each --workers value and reports the share of the step's wall time the
+training process spends waiting for its next batch (with 0 workers: building it) and the host
+reads of tensors per step inside the step (Tensor.item / tolist / __bool__ / __int__ / __float__
+/ numpy, counted with a TorchFunctionMode; on a GPU each is a device sync).
 Peak memory is the RSS high-water mark of the training steps (reset after loading), measured in a
 separate process per side; "step MB" is how far that peak rises above the RSS before the first step
 (the model, optimizer state and libraries already resident), i.e. the memory the steps themselves add.
@@ -30,12 +39,27 @@ from transformers import AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from retrieval_kit import data, dist, optim  # noqa: E402
-from retrieval_kit.collate import collate_biencoder  # noqa: E402
-from retrieval_kit.encode import grad_cache_biencoder  # noqa: E402
-from retrieval_kit.losses import contrastive_loss  # noqa: E402
-from retrieval_kit.metrics import WindowedAverage  # noqa: E402
+import functools  # noqa: E402
+
+from torch.overrides import TorchFunctionMode  # noqa: E402
+
+from retrieval_kit import data, dist, loop, optim  # noqa: E402
+from retrieval_kit.collate import biencoder_inputs  # noqa: E402
 from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder  # noqa: E402
+from train_biencoder import infonce  # noqa: E402
+
+
+class HostReads(TorchFunctionMode):
+    """Counts reads of tensor values into Python (each a device-to-host sync on a GPU)."""
+    NAMES = {"item", "tolist", "__bool__", "__int__", "__float__", "numpy"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in self.NAMES
+        return func(*args, **(kwargs or {}))
 
 
 def batches(args):
@@ -50,30 +74,51 @@ def batches(args):
 
 
 def make_kit(model_dir, args, ctx):
+    """The step of train_biencoder.py: step(inputs) runs forward/backward and the step tail on one
+    collated micro-batch ({"q": Chunked, "p": Chunked}); returns the host reads it made."""
     enc = load_encoder(model_dir).train()
-    if args.activation_checkpointing:
-        dist.enable_activation_checkpointing(enc)
-    model = dist.wrap_ddp(BiEncoder(enc, "avg", True, args.chunk_tokens), ctx)
+    model, _ = dist.wrap(BiEncoder(enc, "avg", True), enc, ctx, activation_checkpointing=args.activation_checkpointing)
     opt = optim.build_optimizer(optim.param_groups(enc, 0.01), 1e-5)
     sched = optim.build_scheduler(opt, 0, 1000)
-    avg = WindowedAverage(50)
+    state = loop.LoopState()
+    loss_fn = functools.partial(infonce, n=args.n_passages, temperature=0.05, in_batch=True, gather=True, label_offset=0)
+    fwd_bwd = loop.grad_cache_step if args.grad_cache else loop.plain_step
 
-    def step(tok, queries, groups):
-        q_batch, p_batch = collate_biencoder(tok, queries, groups, args.query_max_length,
-                                             args.passage_max_length, pad_to_multiple_of=8)
-        def loss_fn(q, p):
-            return contrastive_loss(q, dist.gather_with_grad(p), args.n_passages, 0.05)
-        if args.grad_cache:
-            loss, _, _ = grad_cache_biencoder(model, q_batch, p_batch, loss_fn, args.chunk_tokens)
-        else:
-            loss = loss_fn(*model(q_batch, p_batch))
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        avg.update(dist.reduce_mean({"loss": loss.item()})["loss"])
+    def step(inputs):
+        with HostReads() as reads:
+            inputs = loop.to_device(inputs, ctx.device)
+            sums = loop.StepSums(ctx.device)
+            sums.add(inputs, *fwd_bwd(model, inputs, loss_fn, 1, True))
+            loop.finish_step(model, opt, sched, state, sums, False, 1.0, 5)
+        return reads.count
     return step
+
+
+def kit_collate(tok, args):
+    return functools.partial(biencoder_inputs, tokenizer=tok, query_max_length=args.query_max_length,
+                             passage_max_length=args.passage_max_length, pad_to_multiple_of=8,
+                             chunk_tokens=args.chunk_tokens)
+
+
+def pipeline(model_dir, tok, args, ctx, workers):
+    """train_biencoder.py's batches and step for `workers`: (median share of the step waiting for
+    its batch, host reads per step, median step s)."""
+    records, _ = data.read_records(args.train_file, args.n_passages)
+    dataset = data.StepBatches(records, args.n_passages, args.batch_size, 0, 1, 0, kit_collate(tok, args))
+    batches = loop.step_batches(dataset, 0, args.warmup + args.steps, 1, workers, ctx.device)
+    step = make_kit(model_dir, args, ctx)
+    shares, reads, times = [], [], []
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        inputs = next(batches)
+        t1 = time.perf_counter()
+        n = step(inputs)
+        t2 = time.perf_counter()
+        if i >= args.warmup:
+            shares.append((t1 - t0) / (t2 - t0))
+            reads.append(n)
+            times.append(t2 - t0)
+    return statistics.median(shares), statistics.median(reads), statistics.median(times)
 
 
 def make_bare(model_dir, args):
@@ -133,6 +178,8 @@ def main():
     ap.add_argument("--activation-checkpointing", action="store_true", help="the kit's --activation-checkpointing")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
+    ap.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="--num-workers values of the pipeline section")
+    ap.add_argument("--pipeline-only", action="store_true", help="only the batch-pipeline section")
     ap.add_argument("--only", choices=("kit", "bare"), help="(internal) run one side and print its peak RSS")
     args = ap.parse_args()
     model_dir = args.model or default_model_dir()
@@ -140,9 +187,16 @@ def main():
     ctx = dist.init()
     torch.manual_seed(0)
     work = batches(args)
+    collate = kit_collate(tok, args)
+    kit_step = make_kit(model_dir, args, ctx) if args.only != "bare" and not args.pipeline_only else None
 
+    def kit(tok, queries, groups):  # collated here, as with --num-workers 0
+        kit_step(collate(queries, groups))
+
+    if args.pipeline_only:
+        return print_pipeline(model_dir, tok, args, ctx)
     if args.only:
-        step = make_kit(model_dir, args, ctx) if args.only == "kit" else make_bare(model_dir, args)
+        step = kit if args.only == "kit" else make_bare(model_dir, args)
         reset_peak_rss()  # loading has its own peak; measure the training steps
         base = current_rss_mb()  # model, optimizer and tokenizer already resident
         for queries, groups in work[:args.warmup + 2]:
@@ -150,7 +204,7 @@ def main():
         print(json.dumps({"peak_rss_mb": peak_rss_mb(), "step_mb": peak_rss_mb() - base}))
         return
 
-    kit, bare = make_kit(model_dir, args, ctx), make_bare(model_dir, args)
+    bare = make_bare(model_dir, args)
     times, cpu = {"kit": [], "bare": []}, {"kit": [0.0, 0.0], "bare": [0.0, 0.0]}  # cpu: [user, sys] s
     for i, (queries, groups) in enumerate(work):
         for name, step in (("kit", kit), ("bare", bare)) if i % 2 == 0 else (("bare", bare), ("kit", kit)):
@@ -179,6 +233,14 @@ def main():
     print(f"overhead ratio kit/bare: {med['kit'] / med['bare']:.3f} (step time), "
           f"{mem['kit']['peak_rss_mb'] / mem['bare']['peak_rss_mb']:.3f} (peak RSS), "
           f"{mem['kit']['step_mb'] / mem['bare']['step_mb']:.3f} (memory the steps add)")
+    print_pipeline(model_dir, tok, args, ctx)
+
+
+def print_pipeline(model_dir, tok, args, ctx):
+    print(f"{'workers':>8} {'median step s':>14} {'waiting for the batch':>22} {'host reads / step':>18}")
+    for w in args.workers:
+        share, reads, step_s = pipeline(model_dir, tok, args, ctx, w)
+        print(f"{w:8d} {step_s:14.3f} {100 * share:21.1f}% {reads:18.0f}")
     dist.cleanup()
 
 

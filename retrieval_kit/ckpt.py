@@ -1,4 +1,4 @@
-"""Checkpoints (save / load in the explicit resume order) and export of a loadable HF model dir.
+"""Checkpoints: save, find and load them in the explicit resume order; stop on a signal.
 
 A checkpoint is one folder per step, `step_000100/`:
     model.safetensors   weights of the unwrapped model (no `module.` / `_orig_mod.` prefixes)
@@ -28,9 +28,6 @@ import torch.distributed as dist
 from safetensors.torch import load_model, save_file
 
 from .dist import is_fsdp, unwrap
-
-SETTINGS_FILE = "retrieval_kit.json"
-
 
 def _barrier():
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -103,8 +100,9 @@ def _sharded(wrapped):
     return wrapped is not None and is_fsdp(wrapped)
 
 
-def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args=None, wrapped=None):
-    """Write `run_dir/step_{step:06d}/` atomically from all ranks (collective). Returns the path.
+def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args=None, wrapped=None, keep_last=0):
+    """Write `run_dir/step_{step:06d}/` atomically from all ranks (collective), then keep the newest
+    `keep_last` complete ones (0 = all). Returns the path.
 
     `model` is the raw HF module whose weights are saved; `wrapped` the DDP / FSDP2 module the
     optimizer was built under (needed to gather sharded optimizer state).
@@ -145,6 +143,7 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args
         with open(os.path.join(run_dir, "latest.tmp"), "w") as f:
             f.write(name + "\n")
         os.replace(os.path.join(run_dir, "latest.tmp"), os.path.join(run_dir, "latest"))
+        prune(run_dir, keep_last)
     _barrier()
     return final
 
@@ -183,6 +182,28 @@ def load_model_weights(model, ckpt_dir):
     return missing, unexpected
 
 
+def restore_model(model, ckpt_dir, storage_dtype):
+    """Resume, part 1 (before wrapping): weights into the raw HF model, then cast it to the storage dtype."""
+    load_model_weights(model, ckpt_dir)
+    model.to(storage_dtype)
+
+
+def load_training_state(ckpt_dir, optimizer, scheduler, rank, wrapped=None):
+    """Resume, part 2 (after the optimizer is built on the wrapped, cast model): optimizer ->
+    scheduler -> this rank's RNG; checks the optimizer state kept fp32. Returns meta.json (step,
+    loop state, args)."""
+    from .precision import check_optimizer_state_dtype
+
+    load_optimizer(optimizer, ckpt_dir, wrapped)
+    load_scheduler(scheduler, ckpt_dir)
+    meta = load_meta(ckpt_dir)
+    load_rng(ckpt_dir, rank)
+    check_optimizer_state_dtype(optimizer)
+    if rank == 0:
+        print(f"resumed from {ckpt_dir} at step {meta['step']}", flush=True)
+    return meta
+
+
 def load_optimizer(optimizer, ckpt_dir, wrapped=None):
     """Step 3 of resume (after casting the model): state is cast to each param's dtype by torch.
     Under FSDP2 the state comes from the DCP shards (any rank count); else from optimizer.pt."""
@@ -217,29 +238,6 @@ def load_rng(ckpt_dir, rank):
         set_rng_state(safe_load(path))
     elif rank == 0 or os.path.isfile(os.path.join(ckpt_dir, "rng_rank0.pt")):
         warnings.warn(f"{ckpt_dir}: no RNG state for rank {rank} (saved by fewer ranks); it keeps its fresh seed")
-
-
-def export_model(out_dir, model, tokenizer, settings):
-    """Save a dir that AutoModel / AutoTokenizer.from_pretrained load, plus our settings beside it
-    (pooling, normalization, prefixes, max lengths, template) so evaluation tokenizes as training did."""
-    weights = full_state_dict(model)  # collective under FSDP2
-    if _rank() == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        unwrap(model).save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
-        tokenizer.save_pretrained(out_dir)
-        with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
-            json.dump(settings, f, indent=2)
-    _barrier()
-    return out_dir
-
-
-def load_settings(model_dir):
-    """The retrieval_kit settings saved beside an exported model ({} for a plain HF dir)."""
-    path = os.path.join(model_dir, SETTINGS_FILE)
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
 
 
 class StopSignal:

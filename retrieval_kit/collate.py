@@ -6,6 +6,7 @@ of 8 for tensor cores), never to the max length.
 
 import re
 
+from .chunking import chunk_batch
 
 def tokenize(tokenizer, texts, max_length, prefix="", pad_to_multiple_of=None):
     """Tokenize `texts` (with an optional prefix such as "query: ") to a padded batch of tensors."""
@@ -200,3 +201,19 @@ def pair_post_processor(tokenizer, layout):
             single.append(name)
     single.insert(1 if prefix else 0, "$A")
     return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair), special_tokens=specials)
+
+
+def biencoder_inputs(queries, groups, *, tokenizer, query_max_length, passage_max_length, query_prefix="",
+                     passage_prefix="", pad_to_multiple_of=None, chunk_tokens=0):
+    """One bi-encoder micro-batch as BiEncoder takes it: {"q": Chunked, "p": Chunked}, each cut into
+    length chunks of at most `chunk_tokens` padded tokens (chunking.chunk_batch)."""
+    q, p = collate_biencoder(tokenizer, queries, groups, query_max_length, passage_max_length, query_prefix,
+                             passage_prefix, pad_to_multiple_of)
+    return {"q": chunk_batch(q, chunk_tokens), "p": chunk_batch(p, chunk_tokens)}
+
+
+def rerank_inputs(queries, groups, *, tokenizer, layout, max_length, pad_to_multiple_of=None, chunk_tokens=0):
+    """One reranker micro-batch as CrossEncoder takes it: {"pairs": Chunked}, query-major pairs."""
+    batch = collate_rerank(tokenizer, queries, groups, max_length=max_length, pad_to_multiple_of=pad_to_multiple_of,
+                           layout=layout)
+    return {"pairs": chunk_batch(batch, chunk_tokens)}

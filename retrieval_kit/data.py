@@ -185,15 +185,80 @@ def rank_batch(order, step_in_epoch, batch_size, rank, world_size):
     return order[start:start + batch_size]
 
 
+class StepBatches(torch.utils.data.Dataset):
+    """Micro-batch `i` of a run on this rank (i = step * grad_accum_steps + micro), sampled and
+    collated: a map-style dataset indexed by the data position, so the batch depends on nothing but
+    `i` - any DataLoader worker builds it, and a resumed run builds the same one.
+
+    collate(queries, groups) -> the model's inputs (collate.biencoder_inputs / rerank_inputs).
+    """
+
+    def __init__(self, records, n_passages, batch_size, rank, world_size, seed, collate):
+        self.records, self.n, self.batch_size, self.rank, self.world = records, n_passages, batch_size, rank, world_size
+        self.seed, self.collate = seed, collate
+        self.steps_per_epoch = steps_per_epoch(len(records), batch_size, world_size)
+        self._epoch, self._order = -1, None
+
+    def __getitem__(self, i):
+        epoch, pos = divmod(i, self.steps_per_epoch)
+        if epoch != self._epoch:  # one permutation per epoch, kept by each worker
+            self._epoch, self._order = epoch, epoch_order(len(self.records), self.seed, epoch)
+        idx = rank_batch(self._order, pos, self.batch_size, self.rank, self.world)
+        groups = [sample_group(self.records[j], self.n, group_rng(self.seed, epoch, j)) for j in idx]
+        return self.collate([self.records[j].query for j in idx], groups)
+
+
+def read_train_val(train_file, n_passages, val_file, val_n_passages, val_max_groups, batch_size, world_size):
+    """Read and validate the training and validation files, before any model is loaded:
+    (records, val_records); warnings printed on rank 0. Fewer records than one global batch is an error."""
+    from .dist import print0
+
+    records, warnings = read_records(train_file, n_passages)
+    val_records = read_records(val_file, val_n_passages)[0] if val_file else []
+    if val_max_groups:
+        val_records = val_records[:val_max_groups]
+    if steps_per_epoch(len(records), batch_size, world_size) == 0:
+        raise SystemExit(f"{train_file}: {len(records)} records are fewer than one global batch "
+                         f"({batch_size} x {world_size} ranks)")
+    for w in warnings:
+        print0(f"warning: {train_file}: {w}")
+    return records, val_records
+
+
+CHUNK_TOKENS = 1024  # measured faster on the default model and data (README, Benchmark)
+
+
+def add_data_args(parser, data_dir, n_passages, batch_size, unit="passages"):
+    """The data flags both scripts share (each adds its own tokenization flags to the group)."""
+    import os
+
+    chunk_tokens = CHUNK_TOKENS
+    g = parser.add_argument_group("data")
+    g.add_argument("--train-file", default=os.path.join(data_dir, "train.jsonl"), help="training JSONL")
+    g.add_argument("--val-file", default=os.path.join(data_dir, "val.jsonl"),
+                   help="held-out JSONL for validation ('' to skip)")
+    g.add_argument("--val-max-groups", type=int, default=0, help="validate on the first N groups (0 = all)")
+    g.add_argument("--val-n-passages", type=int, default=4,
+                   help=f"{unit} per validation group (1 positive + N-1 negatives)")
+    g.add_argument("--n-passages", type=int, default=n_passages,
+                   help=f"{unit} per query: 1 positive + N-1 hard negatives (default {n_passages})")
+    g.add_argument("--batch-size", type=int, default=batch_size,
+                   help=f"queries per rank per micro-batch (default {batch_size})")
+    g.add_argument("--pad-to-multiple-of", type=int, default=8, help="round padded lengths up to this (0 = off)")
+    g.add_argument("--chunk-tokens", type=int, default=chunk_tokens,
+                   help="run each batch in length-sorted chunks of at most this many padded tokens, each "
+                        f"padded only to its own longest row; same loss and grads (0 = off; default {chunk_tokens})")
+    g.add_argument("--grad-cache", action="store_true",
+                   help="GradCache: compute the batch's outputs without a graph, then recompute chunk by chunk "
+                        "(--chunk-tokens) backpropagating the cached output grads; same loss and grads, memory "
+                        "flat in batch size")
+    return g
+
+
 def shard(items, rank, world_size):
     """Contiguous, near-equal shard of a list for evaluation (every item lands on exactly one rank)."""
     per = -(-len(items) // world_size)
     return items[rank * per:(rank + 1) * per]
-
-
-def group_to_pairs(query, group):
-    """Flatten one group to (query, passage) pairs for a cross-encoder, positive first."""
-    return [(query, p) for p in group]
 
 
 def eval_batches(records, batch_size, rank, world_size):

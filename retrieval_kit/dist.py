@@ -44,9 +44,26 @@ def init():
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
+def seed_all(seed, rank, torch_per_rank=True):
+    """Seed python, numpy (seed + rank) and torch (seed + rank, or `seed` on every rank when
+    `torch_per_rank` is False, e.g. so a fresh head starts the same everywhere). Data order and
+    negative sampling never use these: they come from `seed` alone (data.py)."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank if torch_per_rank else seed)
+
+
 def cleanup():
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def is_main():
@@ -77,6 +94,14 @@ def reduce_mean(values):
     world = dist.get_world_size() if dist.is_initialized() else 1
     sums = all_reduce_sum([values[k] for k in keys])
     return {k: s / world for k, s in zip(keys, sums)}
+
+
+def reduce_mean_tensor(t):
+    """Mean over ranks of a device tensor, in place of a host read: stays on the device."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t = t / dist.get_world_size()
+    return t
 
 
 def gather_with_grad(t):
@@ -142,6 +167,26 @@ def wrap_ddp(model, ctx, broadcast_buffers=True, find_unused_parameters=False, s
     return DDP(model, device_ids=device_ids, find_unused_parameters=find_unused_parameters,
                static_graph=static_graph, bucket_cap_mb=bucket_cap_mb,
                gradient_as_bucket_view=gradient_as_bucket_view, **buffers)
+
+
+def wrap(module, hf_model, ctx, parallel="ddp", activation_checkpointing=False, compile=False, mp_policy=None,
+         reshard_after_forward=True, broadcast_buffers=True, find_unused_parameters=False, static_graph=False,
+         bucket_cap_mb=25.0, gradient_as_bucket_view=False):
+    """The wrap order of both scripts: activation checkpointing -> compile (each transformer layer
+    of `hf_model`, in place, so no `_orig_mod.` in any key) -> FSDP2 (fully_shard each layer, then
+    `module`) or DDP (a world of 1 too). Returns (model to train, model to evaluate: DDP's inner
+    module, so validation does no DDP bookkeeping)."""
+    if activation_checkpointing:
+        enable_activation_checkpointing(hf_model)
+    if compile:
+        for layer in transformer_layers(hf_model):
+            layer.compile()
+    if parallel == "fsdp2":
+        model = wrap_fsdp2(module, transformer_layers(hf_model), mp_policy, reshard_after_forward)
+        return model, model
+    model = wrap_ddp(module, ctx, broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters,
+                     static_graph=static_graph, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view)
+    return model, model.module
 
 
 def unwrap(model):
@@ -213,21 +258,22 @@ def ddp_buckets(model):
 
 
 def clip_grad_norm(model, max_norm, use_buckets=False):
-    """Clip the global grad norm to max_norm (inf = measure only); returns the norm as a float.
+    """Clip the global grad norm to max_norm (inf = measure only); returns the norm as a 0-d tensor
+    on the device (no host read).
 
     use_buckets (DDP with gradient_as_bucket_view): the norm is taken over the few flat bucket
-    tensors instead of every param's grad, and they are scaled in place; same result as
-    `clip_grad_norm_`. Otherwise `torch.nn.utils.clip_grad_norm_` (DTensor-aware under FSDP2).
+    tensors instead of every param's grad, and they are scaled in place by min(1, coef) - a
+    multiply by exactly 1 when under the threshold, as `clip_grad_norm_` does. Otherwise
+    `torch.nn.utils.clip_grad_norm_` (DTensor-aware under FSDP2).
     """
     if use_buckets:
         flats = ddp_buckets(model)
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(f, dtype=torch.float32) for f in flats]))
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1:
-            for f in flats:
-                f.mul_(coef.to(f.dtype))
-        return norm.item()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for f in flats:
+            f.mul_(coef.to(f.dtype))
+        return norm
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    return norm.item()
+    return norm

@@ -19,12 +19,13 @@ import os
 import torch
 from transformers import AutoTokenizer
 
-from . import ckpt, dist
+from . import dist
 from .data import DataError, jsonl_lines, shard
-from .encode import encode_sharded, exact_topk, score_groups
-from .export import load_exported_reranker
+from .encode import encode_sharded, score_groups
+from .export import load_exported_reranker, load_settings
 from .metrics import rank_docs, retrieval_metrics
 from .models import default_model_dir, load_encoder
+from .search import exact_topk
 
 
 def _read_jsonl(path, required):
@@ -68,7 +69,7 @@ def load_beir(beir_dir, split="test"):
 
 def biencoder_settings(model_dir, defaults):
     """Saved settings of an exported bi-encoder, else `defaults` (for a plain HF dir)."""
-    saved = ckpt.load_settings(model_dir)
+    saved = load_settings(model_dir)
     keys = ("pooling", "normalize", "query_prefix", "passage_prefix", "query_max_length", "passage_max_length")
     return {k: saved.get(k, defaults[k]) for k in keys}
 

@@ -1,4 +1,8 @@
-"""Exported rerankers in the form their consumers read, and loading them back.
+"""Exported models in the form their consumers read, and loading them back.
+
+Every export is a Hugging Face model dir (`save_pretrained`) with the kit's settings beside it in
+retrieval_kit.json (pooling, normalization, prefixes, max lengths, template), so evaluation
+tokenizes and pools as training did (`export_model`, `load_settings`).
 
 A reranker export is a plain transformers dir (`AutoModelForSequenceClassification`,
 `AutoTokenizer`) that sentence-transformers' `CrossEncoder` also loads, and all three score a
@@ -19,12 +23,37 @@ import os
 
 import torch
 
-from . import ckpt
+from .ckpt import _barrier, _rank, full_state_dict
+from .dist import unwrap
 from .collate import PAIR, _tokenize_bare, pair_layout, pair_post_processor
 
+SETTINGS_FILE = "retrieval_kit.json"
 IDENTITY = "torch.nn.modules.linear.Identity"  # sentence-transformers' activation_fn path for raw logits
 PROBES = [("how do i list files", "ls lists directory contents " * 200), ("q", "p"),
           ("a fast compressor for data", "zstd is a fast lossless compression algorithm")]
+
+
+def export_model(out_dir, model, tokenizer, settings):
+    """Save a dir that AutoModel / AutoTokenizer.from_pretrained load, plus our settings beside it
+    (pooling, normalization, prefixes, max lengths, template) so evaluation tokenizes as training did."""
+    weights = full_state_dict(model)  # collective under FSDP2
+    if _rank() == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        unwrap(model).save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
+        with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
+            json.dump(settings, f, indent=2)
+    _barrier()
+    return out_dir
+
+
+def load_settings(model_dir):
+    """The retrieval_kit settings saved beside an exported model ({} for a plain HF dir)."""
+    path = os.path.join(model_dir, SETTINGS_FILE)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
 
 
 def kit_only_reasons(pooling, bidirectional):
@@ -70,8 +99,8 @@ def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False):
     reasons = kit_only_reasons(settings["pooling"], settings.get("bidirectional", False))
     settings = dict(settings, score_activation="identity", tokenizer_pairs=False, portable=False,
                     kit_only=reasons)
-    ckpt.export_model(out_dir, net, tokenizer, settings)  # collective under FSDP2
-    if ckpt._rank() == 0:
+    export_model(out_dir, net, tokenizer, settings)  # collective under FSDP2
+    if _rank() == 0:
         layout = pair_layout(tokenizer, template, settings["append_eos"])
         _edit_json(os.path.join(out_dir, "config.json"),
                    lambda c: c.setdefault("sentence_transformers", {}).update(activation_fn=IDENTITY))
@@ -93,9 +122,9 @@ def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False):
             settings["kit_only"] = reasons + [f"{type(tokenizer).__name__}: could not make tokenizer(query, passage) "
                                               "reproduce the trained input; score with retrieval_kit"]
         settings["portable"] = not settings["kit_only"]
-        with open(os.path.join(out_dir, ckpt.SETTINGS_FILE), "w") as f:
+        with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
             json.dump(settings, f, indent=2)
-    ckpt._barrier()
+    _barrier()
     return settings
 
 
@@ -114,7 +143,7 @@ def load_exported_reranker(model_dir, dtype=torch.float32, trust_remote_code=Fal
 
     from .models import CrossEncoder, load_reranker, make_bidirectional, setup_pad_token
 
-    settings = ckpt.load_settings(model_dir)
+    settings = load_settings(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if settings.get("padding_side"):
         tokenizer.padding_side = settings["padding_side"]

@@ -33,11 +33,21 @@ def run_header(args, world_size, device):
     }
 
 
+def start(args, ctx, output_dir, max_steps, start_step, log_every, bar_keys, summary, **header):
+    """run_header.json (plus `header`) and a Logger at `start_step`, on rank 0; prints `summary`."""
+    full = run_header(args, ctx.world_size, ctx.device)
+    full.update(header)
+    logger = Logger(output_dir, full, max_steps, start_step, enabled=ctx.is_main, bar_keys=bar_keys, log_every=log_every)
+    if ctx.is_main:
+        print(summary, flush=True)
+    return logger
+
+
 class Logger:
     """Writes scalars to tensorboard and metrics.jsonl and shows a tqdm bar; a no-op off rank 0."""
 
-    def __init__(self, out_dir, header, total_steps, initial_step=0, enabled=True, bar_keys=()):
-        self.enabled = enabled
+    def __init__(self, out_dir, header, total_steps, initial_step=0, enabled=True, bar_keys=(), log_every=1):
+        self.enabled, self.total_steps, self.log_every = enabled, total_steps, log_every
         self.bar_keys = bar_keys
         self.writer = self.jsonl = self.bar = None
         if not enabled:
@@ -61,6 +71,12 @@ class Logger:
         self.jsonl.flush()
         if prefix == "train":
             self.bar.set_postfix({k: f"{scalars[k]:.4g}" for k in self.bar_keys if k in scalars}, refresh=False)
+
+    def log_step(self, step, scalars):
+        """After training step `step`: its train scalars every `log_every` steps and at the last; the bar moves on."""
+        if step % self.log_every == 0 or step == self.total_steps:
+            self.log(step, scalars)
+        self.advance()
 
     def advance(self, n=1):
         if self.enabled:

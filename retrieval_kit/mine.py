@@ -7,8 +7,6 @@ For each query, candidates are ranked by score; the query's positives are remove
 and up to `k` of the rest are kept, best first.
 """
 
-import torch
-
 
 def mine_hard_negatives(q_emb, p_emb, positives, k, skip_top=0, max_score_ratio=0.95,
                         p_texts=None, depth=None, chunk_size=1024):

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel
 
+from .chunking import Chunked, run_chunked
+
 POOLING_MODES = ("avg", "cls", "last")
 
 
@@ -58,82 +60,29 @@ def encode(model, batch, pooling="avg", normalize=True):
     return F.normalize(reps, dim=-1) if normalize else reps
 
 
-def length_chunks(attention_mask, chunk_tokens):
-    """Split a padded batch into chunks of similar length: rows sorted longest first, each chunk
-    holding as many rows as fit in `chunk_tokens` padded tokens (its longest row x its rows).
-    Returns ([(row indices, chunk width), ...], left padded?), or None when chunking is off."""
-    lengths = attention_mask.sum(dim=1)
-    if chunk_tokens <= 0 or attention_mask.shape[0] <= 1:
-        return None
-    order = torch.argsort(lengths, descending=True, stable=True).tolist()
-    chunks, start = [], 0
-    while start < len(order):
-        width = max(int(lengths[order[start]]), 1)
-        rows = max(1, chunk_tokens // width)
-        chunks.append(order[start:start + rows])
-        start += rows
-    left = bool((attention_mask[:, 0] == 0).any())
-    return [(idx, max(int(lengths[idx].max()), 1)) for idx in chunks], left
-
-
-def split_chunks(batch, chunk_tokens):
-    """[(row indices, sub-batch)] of a padded batch's length chunks, or None when chunking is off.
-
-    Each chunk is cut to its own longest row (from the right for right padding, from the left for
-    left padding, with the position ids the full batch would have had), so the padding work goes
-    but every row's result is the one the whole batch gives.
-    """
-    plan = length_chunks(batch["attention_mask"], chunk_tokens)
-    if plan is None:
-        return None
-    chunks, left = plan
-    full_width = batch["attention_mask"].shape[1]
-    pieces = []
-    for idx, width in chunks:
-        cols = slice(full_width - width, full_width) if left else slice(0, width)
-        ix = torch.tensor(idx, device=batch["input_ids"].device)
-        sub = {k: v[ix][:, cols] for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
-        if left:
-            pos = torch.arange(full_width, device=ix.device)[cols]
-            sub["position_ids"] = pos.expand(len(idx), -1)
-        pieces.append((idx, sub))
-    return pieces
-
-
-def run_chunked(fn, batch, chunk_tokens):
-    """fn(sub_batch) -> (rows, ...) tensor, applied per length chunk (split_chunks) and put back in
-    batch order."""
-    pieces = split_chunks(batch, chunk_tokens)
-    if pieces is None:
-        return fn(batch)
-    outs = [fn(sub) for _, sub in pieces]
-    rows = [i for idx, _ in pieces for i in idx]
-    inverse = torch.empty(len(rows), dtype=torch.long)
-    inverse[torch.tensor(rows)] = torch.arange(len(rows))
-    return torch.cat(outs)[inverse.to(outs[0].device)]
-
-
 class BiEncoder(torch.nn.Module):
     """Encoder + pooling + normalization as one module, so queries and passages go through a single
-    forward call (one DDP forward per backward, which `--static-graph` requires).
+    forward call (one DDP forward per backward, which `--static-graph` requires):
+    `model(q=q_batch, p=p_batch)` -> {"q": (B, H), "p": (B * n, H)}, any names, in call order.
+    A batch is a tokenized dict (run whole) or a chunking.Chunked (run chunk by chunk, same result).
 
     Save and export `.encoder`: its keys are the Hugging Face ones.
     """
 
-    def __init__(self, encoder, pooling="avg", normalize=True, chunk_tokens=0):
+    def __init__(self, encoder, pooling="avg", normalize=True):
         super().__init__()
         if pooling not in POOLING_MODES:
             raise ValueError(f"unknown pooling {pooling!r}; choose one of {POOLING_MODES}")
-        self.encoder, self.pooling, self.normalize, self.chunk_tokens = encoder, pooling, normalize, chunk_tokens
+        self.encoder, self.pooling, self.normalize = encoder, pooling, normalize
 
     def embed(self, batch):
-        """(rows, H) embeddings; with chunk_tokens, encoded in length-sorted chunks (same result)."""
-        return run_chunked(lambda b: encode(self.encoder, b, self.pooling, self.normalize), batch, self.chunk_tokens)
+        """(rows, H) embeddings of a tokenized dict or a Chunked batch."""
+        def fn(b):
+            return encode(self.encoder, b, self.pooling, self.normalize)
+        return run_chunked(fn, batch) if isinstance(batch, Chunked) else fn(batch)
 
-    def forward(self, q_batch=None, p_batch=None):
-        q = self.embed(q_batch) if q_batch is not None else None
-        p = self.embed(p_batch) if p_batch is not None else None
-        return q, p
+    def forward(self, **batches):
+        return {name: self.embed(b) for name, b in batches.items()}
 
 
 # ----- cross-encoders --------------------------------------------------------------------------
@@ -220,14 +169,15 @@ class CrossEncoder(torch.nn.Module):
     pooling="native" uses the model's own head path (BERT: pooler -> classifier; decoders: the
     last non-pad token). "last" / "avg" / "cls" pool the backbone's hidden states with the
     attention mask (robust to left or right padding and to pad == eos) and apply the final
-    linear head. Save and export `.model`.
+    linear head. `model(pairs=batch)` -> {"pairs": (n_pairs,) logits}; a batch is a tokenized dict
+    or a chunking.Chunked, as for BiEncoder. Save and export `.model`.
     """
 
-    def __init__(self, model, pooling="native", chunk_tokens=0):
+    def __init__(self, model, pooling="native"):
         super().__init__()
         if pooling not in RERANK_POOLING:
             raise ValueError(f"unknown pooling {pooling!r}; choose one of {RERANK_POOLING}")
-        self.model, self.pooling, self.chunk_tokens = model, pooling, chunk_tokens
+        self.model, self.pooling = model, pooling
         if pooling != "native":
             rerank_head(model)  # fail now, not at the first step
             if getattr(model.base_model, "pooler", None) is not None:
@@ -241,5 +191,6 @@ class CrossEncoder(torch.nn.Module):
                                        **extra).last_hidden_state
         return rerank_head(self.model)(pool(hidden, batch["attention_mask"], self.pooling)).view(-1)
 
-    def forward(self, batch):
-        return run_chunked(self.score, batch, self.chunk_tokens)  # (n_pairs,)
+    def forward(self, **batches):
+        return {name: run_chunked(self.score, b) if isinstance(b, Chunked) else self.score(b)
+                for name, b in batches.items()}

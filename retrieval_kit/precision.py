@@ -44,6 +44,14 @@ def resolve_storage_dtype(torch_dtype=None, force_fp32_params=False):
     return explicit or torch.float32
 
 
+def resolve(torch_dtype, force_fp32_params, compute_dtype, parallel):
+    """(storage dtype, compute dtype or None, autocast dtype or None) from the precision flags: under
+    DDP the compute dtype is autocast's; under FSDP2 it is the MixedPrecisionPolicy's (mp_policy)."""
+    storage = resolve_storage_dtype(torch_dtype, force_fp32_params)
+    compute = parse_dtype(compute_dtype)
+    return storage, compute, compute if parallel == "ddp" else None
+
+
 def autocast(device_type, dtype):
     """autocast to `dtype` on `device_type`, or a no-op context when dtype is None."""
     if dtype is None:

@@ -1,5 +1,6 @@
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -140,3 +141,31 @@ def stock_scores(model_dir, queries, groups):
     st = STCrossEncoder(model_dir, device="cpu")
     s_st = torch.tensor(st.predict(pairs, batch_size=7)).view(len(queries), -1)
     return s_hf, s_st
+
+
+@pytest.fixture(scope="module")
+def small_beir(tmp_path_factory):
+    """The first 60 docs of the bundled eval corpus and the queries judged on them."""
+    out = tmp_path_factory.mktemp("beir")
+    docs = read_jsonl(os.path.join(ROOT, "data", "eval", "corpus.jsonl"))[:60]
+    ids = {d["_id"] for d in docs}
+    qrels = [line.split("\t") for line in open(os.path.join(ROOT, "data", "eval", "qrels", "test.tsv")).read().splitlines()[1:]]
+    qrels = [r for r in qrels if r[1] in ids]
+    qids = {r[0] for r in qrels}
+    queries = [q for q in read_jsonl(os.path.join(ROOT, "data", "eval", "queries.jsonl")) if q["_id"] in qids]
+    (out / "qrels").mkdir()
+    (out / "corpus.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (out / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in queries))
+    (out / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join("\t".join(r) + "\n" for r in qrels))
+    assert len(queries) >= 3
+    return str(out)
+
+
+def run_module(args, nproc=1):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    f"--nproc_per_node={nproc}"]
+    out = subprocess.run(launcher + [str(a) for a in args], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out

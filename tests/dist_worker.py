@@ -1,8 +1,10 @@
-"""2-rank checks of the distributed maths, launched by tests/test_distributed.py under torchrun.
+"""2-rank checks of the distributed maths, launched by tests/test_dist.py under torchrun.
 
 Every check compares a wrapped, 2-rank run against an independent reference computed in this
 same process without any wrapper or collective: one model, the whole global batch. Rank 0
-writes {check: {metric: value}} to OUT/results.json; the pytest side asserts the tolerances.
+writes {check: {metric: value}} to OUT/results.json; the pytest side asserts the tolerances. Each
+check's name is the key written here (`compare("ddp_vs_single", ...)`, `results["sharded_encoding"]`)
+and the test that asserts it names the same key, so `grep -n KEY tests/dist_worker.py` finds it.
 
     torchrun --nproc_per_node=2 tests/dist_worker.py TINY_MODEL_DIR TRAIN_JSONL OUT_DIR
 """
@@ -18,9 +20,9 @@ import torch.distributed as tdist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transformers import AutoTokenizer  # noqa: E402
 
-from retrieval_kit import ckpt, data, dist, optim, precision  # noqa: E402
+from retrieval_kit import ckpt, data, dist, loop, optim, precision  # noqa: E402
+from retrieval_kit.chunking import chunk_batch  # noqa: E402
 from retrieval_kit.collate import collate_biencoder, collate_rerank  # noqa: E402
-from retrieval_kit.encode import grad_cache_biencoder, grad_cache_reranker  # noqa: E402
 from retrieval_kit.losses import contrastive_loss, listwise_loss  # noqa: E402
 from retrieval_kit.models import BiEncoder, CrossEncoder, load_encoder, load_reranker  # noqa: E402
 
@@ -52,27 +54,24 @@ def full_grads(module):
 
 def bi_step(model, opt, tok, queries, groups, gather, label_offset, max_norm, use_buckets=False, accum=1, grads=None,
             grad_cache=0):
-    """One optimizer step over `accum` micro-batches of this rank's queries; returns (mean loss, grad norm)."""
+    """One optimizer step over `accum` micro-batches of this rank's queries through the scripts'
+    forward/backward seam (loop.plain_step, or loop.grad_cache_step with chunks of `grad_cache`
+    tokens); returns (mean loss, grad norm)."""
     per = len(queries) // accum
     total = 0.0
+    fwd_bwd = loop.grad_cache_step if grad_cache else loop.plain_step
+
+    def loss_fn(out):
+        p_all = dist.gather_with_grad(out["p"]) if gather else out["p"]
+        return contrastive_loss(out["q"], p_all, N, TEMP, True, label_offset(per) if gather else 0), None
     for m in range(accum):
         qb, pb = collate_biencoder(tok, queries[m * per:(m + 1) * per], groups[m * per:(m + 1) * per], 16, 32)
-        if grad_cache:
-            def loss_fn(q, p):
-                p_all = dist.gather_with_grad(p) if gather else p
-                return contrastive_loss(q, p_all, N, TEMP, True, label_offset(per) if gather else 0) / accum
-            loss, _, _ = grad_cache_biencoder(model, qb, pb, loss_fn, grad_cache, sync=m == accum - 1)
-            total += loss.item()
-            continue
-        with dist.grad_sync(model, m == accum - 1):
-            q, p = model(qb, pb)
-            p_all = dist.gather_with_grad(p) if gather else p
-            loss = contrastive_loss(q, p_all, N, TEMP, True, label_offset(per) if gather else 0)
-            (loss / accum).backward()
+        loss, _ = fwd_bwd(model, {"q": chunk_batch(qb, grad_cache), "p": chunk_batch(pb, grad_cache)}, loss_fn, accum,
+                          m == accum - 1)
         total += loss.item() / accum
     if grads is not None:
         grads.update(full_grads(dist.unwrap(model).encoder))
-    norm = dist.clip_grad_norm(model, max_norm, use_buckets)
+    norm = dist.clip_grad_norm(model, max_norm, use_buckets).item()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return total, norm
@@ -91,13 +90,13 @@ def reference_bi(enc0, tok, steps, max_norm, accum=1, world=2):
         for m in range(accum):
             idx = [r * per_rank + m * per + i for r in range(world) for i in range(per)]
             qb, pb = collate_biencoder(tok, [queries[i] for i in idx], [groups[i] for i in idx], 16, 32)
-            q, p = model(qb, pb)
-            loss = contrastive_loss(q, p, N, TEMP, True)
+            out = model(q=qb, p=pb)
+            loss = contrastive_loss(out["q"], out["p"], N, TEMP, True)
             (loss / accum).backward()
             total += loss.item() / accum
         if not grads:
             grads.update(full_grads(enc))
-        norms.append(dist.clip_grad_norm(model, max_norm))
+        norms.append(dist.clip_grad_norm(model, max_norm).item())
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(total)
@@ -205,9 +204,10 @@ def main():
         opt = optim.build_optimizer(optim.param_groups(net, 0.01), LR)
         batch = collate_rerank(tok, queries[sl], groups[sl], max_length=48)
         if grad_cache:
-            loss, _ = grad_cache_reranker(model, batch, lambda s: listwise_loss(s, N), grad_cache)
+            loss, _ = loop.grad_cache_step(model, {"pairs": chunk_batch(batch, grad_cache)},
+                                           lambda out: (listwise_loss(out["pairs"], N), None), 1, True)
         else:
-            loss = listwise_loss(model(batch), N)
+            loss = listwise_loss(model(pairs=batch)["pairs"], N)
             loss.backward()
         dist.clip_grad_norm(model, 1.0)
         grads = full_grads(net)

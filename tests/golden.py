@@ -5,6 +5,7 @@ compares bitwise, so a refactor of the step cannot change a number without a tes
 
     python -m tests.golden --record            # rewrite tests/data/golden.json (say why in the commit)
     python -m tests.golden --check             # rerun and compare, without pytest
+    python -m tests.golden --check --extra --num-workers 2
 
 Bitwise equality holds for the same torch build on the same CPU kernels (torch's CPU capability,
 e.g. AVX512); on another one the floats may differ in their last bits, so the comparison there
@@ -79,7 +80,7 @@ def summarize(run_dir):
 def run_config(name, model_dir, train_file, out_dir, extra=()):
     """Run one golden config into out_dir (fresh) and return its summary."""
     from tests.conftest import run_script
-    from tests.test_resume import kill_after_checkpoint, launch
+    from tests.test_ckpt import kill_after_checkpoint, launch
 
     kind, mode = name.split("/")
     script, kind_args = SCRIPT_ARGS[kind]

@@ -5,14 +5,15 @@ import os
 import subprocess
 import sys
 
-import torch
 from safetensors.torch import load_file
+import torch
 from transformers import AutoModel, AutoTokenizer
 
-from retrieval_kit import ckpt
 from retrieval_kit.encode import encode_texts
+from retrieval_kit import ckpt
+from retrieval_kit.export import export_model, load_settings
 from retrieval_kit.models import BiEncoder, load_encoder
-from tests.conftest import ROOT, check_grad_cache_run, read_jsonl, run_script
+from tests.conftest import check_grad_cache_run, read_jsonl, ROOT, run_script
 
 
 def common_args(model_dir, train_file, out_dir):
@@ -41,7 +42,7 @@ def test_short_run_loss_falls_and_leaves_a_complete_run_folder(tiny_model_dir, s
     hf_keys = set(AutoModel.from_pretrained(tiny_model_dir).state_dict())
     for step in ("step_000012", "step_000024"):
         assert set(load_file(str(out / step / "model.safetensors"))) == hf_keys  # no wrapper prefixes
-    settings = ckpt.load_settings(str(out / "final"))
+    settings = load_settings(str(out / "final"))
     assert settings["pooling"] == "avg" and settings["normalize"] is True
     assert settings["passage_max_length"] == 48
     AutoModel.from_pretrained(out / "final")  # loads as a plain HF model
@@ -82,13 +83,13 @@ def test_exported_model_reloads_to_the_same_embeddings(tiny_model_dir, tmp_path)
     from retrieval_kit.collate import collate_biencoder
     from retrieval_kit.losses import contrastive_loss
     q, p = collate_biencoder(tok, ["alpha", "beta"], [["a text", "b text"], ["c text", "d text"]], 16, 16)
-    qr, pr = model(q, p)
+    qr, pr = model(q=q, p=p).values()
     contrastive_loss(qr, pr, 2).backward()
     opt.step()  # weights now differ from the random init
-    out = ckpt.export_model(str(tmp_path / "final"), enc, tok, {"pooling": "avg", "normalize": True})
+    out = export_model(str(tmp_path / "final"), enc, tok, {"pooling": "avg", "normalize": True})
     texts = ["a query about disks", "package manager for python", "x"]
     before = encode_texts(enc, tok, texts, 32)
-    settings = ckpt.load_settings(out)
+    settings = load_settings(out)
     reloaded = AutoModel.from_pretrained(out)
     after = encode_texts(reloaded, AutoTokenizer.from_pretrained(out), texts, 32,
                          pooling=settings["pooling"], normalize=settings["normalize"])

@@ -4,14 +4,14 @@ import json
 import os
 
 import pytest
-import torch
 from safetensors.torch import load_file
+import torch
 
 from retrieval_kit import ckpt, data
 from retrieval_kit.encode import score_groups
-from retrieval_kit.export import load_exported_reranker
+from retrieval_kit.export import load_exported_reranker, load_settings
 from retrieval_kit.models import load_reranker
-from tests.conftest import ROOT, check_grad_cache_run, minilm_dir, read_jsonl, run_script, stock_scores
+from tests.conftest import check_grad_cache_run, minilm_dir, read_jsonl, ROOT, run_script, stock_scores
 
 TEMPLATE = "Q: {query} | P: {passage}"
 
@@ -40,7 +40,7 @@ def test_bf16_run_resumed_with_force_fp32_on_two_ranks(tiny_model_dir, small_tra
     # the tokenization travels with the checkpoint and the export
     meta = ckpt.load_meta(str(out / "step_000004"))
     assert meta["loop"]["tokenization"]["prompt_template"] == TEMPLATE
-    settings = ckpt.load_settings(str(out / "final"))
+    settings = load_settings(str(out / "final"))
     assert settings["prompt_template"] == TEMPLATE and settings["rerank_max_length"] == 64
     assert settings["append_eos"] is False and settings["kind"] == "reranker"
 
@@ -51,7 +51,7 @@ def test_fp32_master_weights_with_bf16_autocast(tiny_model_dir, small_train_file
                                             "--force-fp32-params", "--autocast-dtype", "bf16", "--pooling", "avg",
                                             "--output-dir", tmp_path])
     assert "warning: kit-only reranker: --pooling avg" in proc.stdout  # named at start-up
-    assert ckpt.load_settings(str(tmp_path / "final"))["portable"] is False
+    assert load_settings(str(tmp_path / "final"))["portable"] is False
     state = torch.load(tmp_path / "step_000002" / "optimizer.pt", weights_only=True)["state"]
     assert {s["exp_avg"].dtype for s in state.values()} == {torch.float32}
     assert {v.dtype for v in load_file(str(tmp_path / "step_000002" / "model.safetensors")).values()} == {torch.float32}

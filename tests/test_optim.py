@@ -1,10 +1,12 @@
+"""retrieval_kit/optim.py: param groups, fused AdamW against a reference loop, schedules, head LR."""
+
 import math
 
 import pytest
 import torch
 from transformers import BertModel
 
-from retrieval_kit import optim, precision
+from retrieval_kit import optim
 from tests.conftest import tiny_bert_config
 
 
@@ -49,18 +51,6 @@ def test_lr_schedule_values():
     assert f(4, 4, 10) == 1.0 and f(7, 4, 10) == pytest.approx(0.5) and f(10, 4, 10) == 0.0
     assert f(7, 4, 10, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
     assert f(9, 4, 10, "constant") == 1.0
-
-
-def test_resolve_storage_dtype():
-    r = precision.resolve_storage_dtype
-    assert r() is torch.float32 and r("auto") is torch.float32
-    assert r("bf16") is torch.bfloat16  # explicit wins
-    assert r(None, force_fp32_params=True) is torch.float32
-    assert r("fp32", force_fp32_params=True) is torch.float32
-    with pytest.raises(ValueError, match="conflicts"):
-        r("bf16", force_fp32_params=True)
-    with pytest.raises(ValueError, match="unknown dtype"):
-        precision.parse_dtype("fp8")
 
 
 def test_head_lr_mult_scales_only_the_fresh_head():

@@ -125,7 +125,8 @@ def test_sigterm_saves_a_checkpoint_that_resumes_exactly_reranker(tiny_model_dir
     run_script("train_reranker.py", rr_args(tiny_model_dir, small_train_file, ref, "--max-steps", STEPS))
     run = tmp_path / "run"
     args = rr_args(tiny_model_dir, small_train_file, run)
-    proc = launch("train_reranker.py", args + ["--max-steps", 100000])
+    # batches built in 2 DataLoader workers, which leave the signal to the training process
+    proc = launch("train_reranker.py", args + ["--max-steps", 100000, "--num-workers", 2])
     rc, out, err = kill_after_checkpoint(proc, run / "step_000002", signal.SIGTERM)
     assert rc == 0, err[-3000:]
     assert "stopped by SIGTERM" in out

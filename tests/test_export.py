@@ -5,7 +5,6 @@ tokenizer on (query, passage) pairs, and sentence-transformers' CrossEncoder.pre
 """
 
 import json
-import math
 import os
 
 import pytest
@@ -13,12 +12,12 @@ import torch
 from transformers import AutoTokenizer
 
 from retrieval_kit import data
-from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, collate_rerank, encode_pair, pair_layout
+from retrieval_kit.collate import DEFAULT_TEMPLATE, encode_pair, PAIR
 from retrieval_kit.encode import score_groups
 from retrieval_kit.export import export_reranker, load_exported_reranker
-from retrieval_kit.losses import pointwise_bce_loss
 from retrieval_kit.models import load_reranker, rerank_head, setup_pad_token
 from tests.conftest import ROOT, stock_scores
+
 
 LONG = "zstd is a fast lossless compression algorithm with a very long description " * 30
 
@@ -92,40 +91,3 @@ def test_kit_only_pooling_is_recorded(tiny_model_dir, tmp_path):
     kit = score_groups(model, tok, queries, groups, saved)
     s_hf, _ = stock_scores(out, queries, groups)
     assert (kit - s_hf).abs().max() > 1e-3  # really scored differently: the flag is needed
-
-
-def test_pair_encoding_matches_the_tokenizer_and_keeps_the_query(tokenizer):
-    q, short = "how do i compress files", "zstd tool"
-    for p in (short, LONG):  # the reference: the tokenizer's own pair encoding, passage truncated
-        ref = tokenizer(q, p, truncation="only_second", max_length=48)
-        batch = collate_rerank(tokenizer, [q], [[p]], PAIR, 48)
-        n = int(batch["attention_mask"].sum())
-        assert batch["input_ids"][0, :n].tolist() == ref["input_ids"]
-        assert batch["token_type_ids"][0, :n].tolist() == ref["token_type_ids"]
-    long_q = "compress files quickly " * 30  # the query alone is too long: cut from its end, no passage
-    q_ids = tokenizer(long_q, add_special_tokens=False)["input_ids"]
-    ids = encode_pair(tokenizer, long_q, short, PAIR, 32)
-    assert ids == [tokenizer.cls_token_id] + q_ids[:29] + [tokenizer.sep_token_id] * 2
-    with pytest.raises(ValueError, match="no room"):
-        pair_layout(tokenizer, "a very long template " * 20 + "{query} {passage}").encode([1], [2], 32)
-
-
-def test_pointwise_bce_matches_naive_loop():
-    torch.manual_seed(0)
-    logits = torch.randn(12, dtype=torch.float64)
-    n = 4
-    total = 0.0
-    for i, x in enumerate(logits.tolist()):
-        y = 1.0 if i % n == 0 else 0.0
-        p = 1 / (1 + math.exp(-x))
-        total += -(y * math.log(p) + (1 - y) * math.log(1 - p))
-    assert pointwise_bce_loss(logits, n).item() == pytest.approx(total / len(logits), rel=1e-6)  # computed in fp32
-
-
-def test_no_over_length_tokenizer_warning(tokenizer, caplog):
-    tok = AutoTokenizer.from_pretrained(tokenizer.name_or_path)  # fresh: transformers warns once per tokenizer
-    with caplog.at_level("WARNING"):
-        collate_rerank(tok, ["q"], [["word " * 2000]], PAIR, 64)
-        assert "longer than the specified maximum" not in caplog.text
-        tok("word " * 2000)  # the reference: an untruncated encoding does warn, and is caught here
-        assert "longer than the specified maximum" in caplog.text

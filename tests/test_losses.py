@@ -1,11 +1,12 @@
+"""retrieval_kit/losses.py against naive loops."""
+
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from retrieval_kit.losses import contrastive_loss
-from retrieval_kit.metrics import WindowedAverage, accuracy_at_1, group_metric_sums, mrr, positive_ranks
+from retrieval_kit.losses import contrastive_loss, listwise_loss, pointwise_bce_loss
 
 
 def naive_infonce(q, p, n, temperature, in_batch, offset=0):
@@ -37,23 +38,30 @@ def test_contrastive_loss_label_offset_for_gathered_passages():
     assert got == pytest.approx(naive_infonce(q, p, 2, 0.1, True, offset), rel=1e-6)
 
 
-def test_group_metrics_hand_computed():
-    scores = torch.tensor([
-        [0.9, 0.1, 0.2],  # rank 1
-        [0.5, 0.7, 0.1],  # rank 2
-        [0.1, 0.3, 0.2],  # rank 3
-        [0.4, 0.4, 0.0],  # tie counts against the positive: rank 2
-    ])
-    assert positive_ranks(scores).tolist() == [1, 2, 3, 2]
-    assert accuracy_at_1(scores) == pytest.approx(0.25)
-    assert mrr(scores) == pytest.approx((1 + 1 / 2 + 1 / 3 + 1 / 2) / 4)
-    assert group_metric_sums(scores) == pytest.approx((1, 1 + 1 / 2 + 1 / 3 + 1 / 2, 4))
+def naive_listwise(logits, n):
+    total = 0.0
+    rows = logits.view(-1, n).tolist()
+    for row in rows:
+        total += -row[0] + math.log(sum(math.exp(x) for x in row))
+    return total / len(rows)
 
 
-def test_windowed_average():
-    w = WindowedAverage(3)
-    assert math.isnan(w.value)
-    assert [w.update(x) for x in [1, 2, 3, 4]] == [1, 1.5, 2, 3]
-    w2 = WindowedAverage(10)
-    w2.load_state_dict(w.state_dict())
-    assert w2.update(5) == pytest.approx(4)
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_listwise_loss_matches_naive_loop(n):
+    torch.manual_seed(n)
+    logits = torch.randn(3 * n, dtype=torch.float64)
+    assert listwise_loss(logits, n).item() == pytest.approx(naive_listwise(logits, n), rel=1e-6)
+    with pytest.raises(ValueError, match="groups of"):
+        listwise_loss(torch.randn(7), 2)
+
+
+def test_pointwise_bce_matches_naive_loop():
+    torch.manual_seed(0)
+    logits = torch.randn(12, dtype=torch.float64)
+    n = 4
+    total = 0.0
+    for i, x in enumerate(logits.tolist()):
+        y = 1.0 if i % n == 0 else 0.0
+        p = 1 / (1 + math.exp(-x))
+        total += -(y * math.log(p) + (1 - y) * math.log(1 - p))
+    assert pointwise_bce_loss(logits, n).item() == pytest.approx(total / len(logits), rel=1e-6)  # computed in fp32

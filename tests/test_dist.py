@@ -6,8 +6,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from transformers import AutoTokenizer
 
+from retrieval_kit.collate import collate_biencoder
+from retrieval_kit.losses import contrastive_loss
+from retrieval_kit.models import BiEncoder, load_encoder
 from tests.conftest import ROOT
+from tests.test_chunking import GROUPS, QUERIES, assert_same, loss_and_grads
 
 TOL = 1e-5  # fp32; observed: losses within 1.3e-6, weights within 2e-7, grads within 3.3e-6 of the max grad
 
@@ -69,3 +75,28 @@ def test_sharded_corpus_encoding_equals_one_process(results):
     assert results["sharded_encoding"]["rows"] == 37
     assert results["sharded_encoding"]["max_diff"] < 1e-5
     assert results["sharded_encoding_fsdp2"]["max_diff"] < 1e-5  # through the sharded BiEncoder's forward
+
+
+def test_activation_checkpointing_recomputes_and_gives_the_same_grads(tiny_model_dir):
+    from retrieval_kit.dist import enable_activation_checkpointing
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    q, p = collate_biencoder(tok, QUERIES, GROUPS, 32, 32)
+    results, saved = [], []
+    for checkpointed in (False, True):
+        enc = load_encoder(tiny_model_dir).train()  # dropout on: checkpointing replays the RNG too
+        if checkpointed:
+            enable_activation_checkpointing(enc)
+        model = BiEncoder(enc, "avg", True)
+        count = [0]
+
+        def pack(t):
+            count[0] += 1
+            return t
+        torch.manual_seed(3)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            results.append(loss_and_grads(model, enc.named_parameters(),
+                                          lambda m: contrastive_loss(*m(q=q, p=p).values(), 2, temperature=0.05)))
+        saved.append(count[0])
+    assert_same(*results)
+    assert saved[1] < saved[0] / 2  # the layers' activations were not kept for backward

@@ -7,6 +7,18 @@ from retrieval_kit import ckpt, optim, precision
 from retrieval_kit.models import load_reranker
 
 
+def test_resolve_storage_dtype():
+    r = precision.resolve_storage_dtype
+    assert r() is torch.float32 and r("auto") is torch.float32
+    assert r("bf16") is torch.bfloat16  # explicit wins
+    assert r(None, force_fp32_params=True) is torch.float32
+    assert r("fp32", force_fp32_params=True) is torch.float32
+    with pytest.raises(ValueError, match="conflicts"):
+        r("bf16", force_fp32_params=True)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        precision.parse_dtype("fp8")
+
+
 def one_step(net, opt):
     torch.manual_seed(0)
     ids = torch.randint(5, 100, (4, 12))

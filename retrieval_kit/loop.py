@@ -1,0 +1,218 @@
+"""What a training loop needs besides the model: the same in both scripts, as plain functions of
+explicit values (no Trainer, no `args`). A script's loop reads, top to bottom:
+
+    batches = step_batches(dataset, ...)               # built ahead, in DataLoader workers
+    fwd_bwd = grad_cache_step if grad_cache else plain_step   # decided once, before the loop
+    while True:
+        validate when `eval_due`; checkpoint when `ckpt_due`; stop at the end or on a signal
+        for each micro-batch: loss, acc = fwd_bwd(model, to_device(next(batches)), loss_fn, ...)
+        scalars = finish_step(...)                      # clip -> step or skip -> reduce -> stop flag
+        logger.log_step(step, scalars)                  # every --log-every steps
+
+`loss_fn({name: outputs}) -> (loss, per-query top-1 accuracy)` is where a model kind's loss plugs
+in (InfoNCE with gathered negatives, listwise CE, ...); the forward/backward functions do not know
+which, so a new loss needs no new branch in the loop.
+"""
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import data, dist, optim, precision
+from .gradcache import grad_cache
+from .metrics import WindowedAverage, group_metric_sums
+
+
+def add_run_args(parser, val_batch_size):
+    g = parser.add_argument_group("run")
+    g.add_argument("--log-every", type=int, default=1, help="log train scalars every N steps")
+    g.add_argument("--loss-avg-window", type=int, default=50, help="window of the smoothed loss")
+    g.add_argument("--val-every", type=int, default=30, help="validate every N steps (and at step 0 and the end)")
+    g.add_argument("--val-batch-size", type=int, default=val_batch_size, help="queries per validation batch")
+    g.add_argument("--num-workers", type=int, default=None,
+                   help="DataLoader worker processes that sample, tokenize, pad and plan the chunks of each "
+                        "micro-batch ahead of the model (0 = in the training process; default: 0 on CPU, "
+                        "where workers take cores from the model, 2 on CUDA)")
+    return g
+
+
+def num_workers(flag, device):
+    """--num-workers, or its default for the device (README, Benchmark)."""
+    return flag if flag is not None else (2 if device.type == "cuda" else 0)
+
+
+# ----- batches -----------------------------------------------------------------------------------
+
+def _ignore_signals(worker_id):
+    """A worker leaves SIGTERM / SIGINT to the training process, which finishes its step and saves
+    a checkpoint (ckpt.StopSignal); the DataLoader then shuts its workers down."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _as_is(batch):
+    return batch
+
+
+def step_batches(dataset, start_step, max_steps, accum, num_workers, device):
+    """Iterator over the micro-batches of steps start_step..max_steps-1 of a data.StepBatches
+    dataset, collated in `num_workers` processes (0 = here) and prefetched; pinned on CUDA, for
+    non-blocking copies."""
+    if num_workers > 0:
+        import os
+
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # no tokenizer threads across a fork
+    loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=range(start_step * accum, max_steps * accum),
+                                         num_workers=num_workers, pin_memory=device.type == "cuda", collate_fn=_as_is,
+                                         worker_init_fn=_ignore_signals if num_workers else None,
+                                         generator=torch.Generator())  # its seed draw leaves the global RNG (dropout) alone
+    return iter(loader)
+
+
+def to_device(inputs, device):
+    """{name: Chunked} to the device, asynchronously from pinned memory."""
+    return {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+
+
+# ----- forward + backward of one micro-batch (chosen once, before the loop) -------------------
+
+def plain_step(model, inputs, loss_fn, accum, sync, autocast=(None, None)):
+    """One forward of all inputs (`model(**inputs)`, a single DDP forward per backward), the loss
+    outside autocast, backward of loss / accum. Returns (loss, accuracy), detached, on the device."""
+    with dist.grad_sync(model, sync):
+        with precision.autocast(*autocast):
+            out = model(**inputs)
+        loss, acc = loss_fn(out)
+        (loss / accum).backward()
+    return loss.detach(), acc
+
+
+def grad_cache_step(model, inputs, loss_fn, accum, sync, autocast=(None, None)):
+    """plain_step's loss and gradients with GradCache: memory flat in the batch size."""
+    def run(m, name, sub):
+        with precision.autocast(*autocast):
+            return m(**{name: sub})[name]
+    return grad_cache(model, inputs, run, loss_fn, accum, sync)
+
+
+# ----- the step tail -----------------------------------------------------------------------------
+
+@dataclass
+class LoopState:
+    """What a checkpoint keeps of the loop besides model, optimizer and scheduler."""
+    step: int = 0
+    skipped: int = 0
+    bad_in_a_row: int = 0
+    stopping: bool = False
+    loss_avg: WindowedAverage = field(default_factory=WindowedAverage)
+
+    def state_dict(self, steps_per_epoch, accum):
+        epoch, pos = divmod(self.step * accum, steps_per_epoch)
+        return {"loss_avg": self.loss_avg.state_dict(), "skipped_steps": self.skipped, "epoch": epoch,
+                "position_in_epoch": pos}
+
+    def load(self, meta):
+        self.step = meta["step"]
+        self.loss_avg.load_state_dict(meta["loop"]["loss_avg"])
+        self.skipped = meta["loop"].get("skipped_steps", 0)
+
+
+class StepSums:
+    """Per-step sums over the micro-batches of the loss and the mean top-1 accuracy, kept on the
+    device (float64, so the sums equal those of the values read one by one); token and query
+    counts come from collation and shapes, with no device read."""
+
+    def __init__(self, device):
+        self.t0 = time.perf_counter()  # the step's clock starts here
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.acc = torch.zeros((), dtype=torch.float64, device=device)
+        self.micro_batches, self.queries, self.tokens = 0, 0, 0
+
+    def add(self, inputs, loss, acc):
+        """One micro-batch: its inputs ({name: Chunked}), mean loss and per-query accuracy (Q,)."""
+        self.loss += loss.double()
+        self.acc += acc.mean().double()
+        self.micro_batches += 1
+        self.queries += acc.numel()
+        self.tokens += sum(c.n_tokens for c in inputs.values())
+
+
+def finish_step(model, optimizer, scheduler, state, sums, stop_requested, max_grad_norm, max_bad_steps):
+    """Clip -> reduce the step's sums and the stop flag over ranks -> one host read -> optimizer and
+    scheduler step (or skip, on every rank, when the global grad norm is not finite) -> scalars.
+
+    The read of one small vector (grad norm, mean loss, accuracy, tokens, stop flag) is the step's
+    only device-to-host sync: the skip decision needs the norm, and every rank must see a stop
+    signal within the step."""
+    norm = dist.clip_grad_norm(model, max_grad_norm if max_grad_norm > 0 else float("inf"),
+                               use_buckets=getattr(model, "gradient_as_bucket_view", False))  # DDP's flag
+    device, accum = sums.loss.device, sums.micro_batches
+    host = torch.tensor([float(sums.tokens), float(stop_requested)], dtype=torch.float64)
+    vec = dist.reduce_mean_tensor(torch.cat([torch.stack([sums.loss / accum, sums.acc / accum]),
+                                             host.to(device, non_blocking=True)]))
+    grad_norm, loss, acc, tokens, stop = torch.cat([norm.detach().double().view(1).to(device), vec]).tolist()
+    lr = scheduler.get_last_lr()[0]
+    state.bad_in_a_row = optim.step_if_finite(optimizer, scheduler, grad_norm, state.bad_in_a_row, max_bad_steps,
+                                              state.step + 1)
+    state.skipped += state.bad_in_a_row > 0  # a non-finite step on any rank is skipped on all of them
+    state.step += 1
+    state.stopping = stop > 0  # any rank signalled: all stop after this step
+    if math.isfinite(loss):
+        state.loss_avg.update(loss)  # a skipped step stays out of the window
+    dt = time.perf_counter() - sums.t0
+    return {"loss": loss, "loss_avg_window": state.loss_avg.value, "acc": acc, "lr": lr, "grad_norm": grad_norm,
+            "skipped_steps": state.skipped, "samples_per_s": sums.queries * dist.world_size() / dt,
+            "tokens_per_s": tokens * dist.world_size() / dt}
+
+
+def eval_due(step, start_step, every, last_step):
+    return step == start_step or step % every == 0 or last_step
+
+
+def ckpt_due(step, start_step, every, last_step, stopping):
+    return step > start_step and (step % every == 0 or last_step or stopping)
+
+
+def check_step_flags(grad_cache, static_graph):
+    if grad_cache and static_graph:
+        raise SystemExit("--grad-cache runs several forward/backward passes per step, which DDP's --static-graph "
+                         "does not allow; drop one of them")
+
+
+# ----- validation on fixed groups ----------------------------------------------------------------
+
+@torch.no_grad()
+def validate_groups(model, records, n_passages, batch_size, ctx, score):
+    """Loss, acc@1 and MRR of each query's own fixed group (data.fixed_group: 1 positive + n-1
+    negatives), so they depend on neither batch size nor world size; ties count against the
+    positive. score(model, queries, groups) -> ((b, n) scores, mean loss); reduced over ranks."""
+    model.eval()
+    loss_sum, acc_sum, rr_sum, count = 0.0, 0.0, 0.0, 0.0
+    for recs, counted in data.eval_batches(records, batch_size, ctx.rank, ctx.world_size):
+        scores, loss = score(model, [r.query for r in recs], [data.fixed_group(r, n_passages) for r in recs])
+        if not counted:
+            continue
+        loss_sum += loss.item() * len(recs)
+        a, r, c = group_metric_sums(scores)
+        acc_sum, rr_sum, count = acc_sum + a, rr_sum + r, count + c
+    loss_sum, acc_sum, rr_sum, count = dist.all_reduce_sum([loss_sum, acc_sum, rr_sum, count])
+    model.train()
+    return {"loss": loss_sum / count, "acc@1": acc_sum / count, "mrr": rr_sum / count}
+
+
+def end_run(logger, message):
+    logger.close()
+    dist.print0(message)
+    dist.cleanup()
+
+
+def stop_early(logger, stop, step, output_dir):
+    """The end of a run stopped by a signal: its checkpoint is saved; say how to continue."""
+    logger.close()
+    dist.print0(f"stopped by {stop.name or 'a signal on another rank'} after step {step}: checkpoint saved in "
+                f"{output_dir}; continue with --resume auto")
+    dist.cleanup()

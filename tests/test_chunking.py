@@ -1,0 +1,91 @@
+"""retrieval_kit/chunking.py: length-sorted chunks give the loss and gradients of the unchunked batch."""
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from retrieval_kit.chunking import chunk_batch
+from retrieval_kit.collate import collate_biencoder, collate_rerank
+from retrieval_kit.losses import contrastive_loss, listwise_loss
+from retrieval_kit.models import BiEncoder, CrossEncoder, load_encoder, load_reranker, setup_pad_token
+
+QUERIES = ["python library", "a graphical user interface for the command line tool", "server",
+           "documentation of the data package"]
+GROUPS = [["the python package for data", "a tool"],
+          ["graphical user interface command line tool for files and data with documentation", "the server"],
+          ["server client", "it is a library of the data package with python documentation and a tool"],
+          ["documentation package", "files"]]
+
+
+def loss_and_grads(module, params, loss_fn, backward=True):
+    module.zero_grad()
+    loss = loss_fn(module)
+    if backward:
+        loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in params if p.grad is not None}
+
+
+def assert_same(a, b):
+    (la, ga), (lb, gb) = a, b
+    assert la == pytest.approx(lb, abs=1e-5)
+    assert ga.keys() == gb.keys() and ga
+    scale = max(g.abs().max().item() for g in ga.values())
+    for k in ga:
+        assert (ga[k] - gb[k]).abs().max().item() <= 1e-5 * max(scale, 1.0), k
+
+
+def test_chunks_cover_every_row_once_longest_first():
+    lengths = (2, 6, 3, 6, 1)
+    mask = torch.tensor([[1] * n + [0] * (6 - n) for n in lengths])
+    ids = torch.arange(30).view(5, 6) * mask
+    c = chunk_batch({"input_ids": ids, "attention_mask": mask}, chunk_tokens=12)
+    assert not c.left and c.order.tolist() == [1, 3, 2, 0, 4] and c.n_tokens == sum(lengths)
+    assert c.chunks == ((0, 2, 6), (2, 5, 3))  # 12 // 6 = 2 rows of 6 tokens, then the last 3 rows (12 // 3 = 4 fit)
+    covered = [r for s, e, _ in c.chunks for r in range(s, e)]
+    assert covered == list(range(5)) and all((e - s) * w <= 12 for s, e, w in c.chunks)
+    for (s, e, w), (s2, e2, sub) in zip(c.chunks, c.pieces()):  # each piece is its rows cut to its width
+        assert (s, e) == (s2, e2) and torch.equal(sub["input_ids"], ids[c.order[s:e], :w])
+        assert sub["attention_mask"].sum() == mask[c.order[s:e]].sum()  # only pad columns were cut
+    rows = torch.cat([sub["input_ids"][:, 0] for _, _, sub in c.pieces()])
+    assert torch.equal(c.restore(rows), ids[:, 0])  # back in batch order
+    off = chunk_batch({"input_ids": ids, "attention_mask": mask}, 0)
+    assert off.chunks == () and off.pieces()[0][2]["input_ids"] is ids
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_biencoder_chunked_equals_unchunked(tiny_model_dir, tiny_decoder_dir, side):
+    path, pooling = (tiny_model_dir, "avg") if side == "right" else (tiny_decoder_dir, "last")
+    tok = AutoTokenizer.from_pretrained(path)
+    setup_pad_token(tok)
+    tok.padding_side = side
+    q, p = collate_biencoder(tok, QUERIES, GROUPS, 32, 32)
+    assert (p["attention_mask"][:, -1 if side == "right" else 0] == 0).any()
+    enc = load_encoder(path).eval()  # eval: dropout off, so both runs compute the same function
+    results = []
+    model = BiEncoder(enc, pooling, True)
+    for chunk_tokens in (0, 24):
+        qc, pc = chunk_batch(q, chunk_tokens), chunk_batch(p, chunk_tokens)
+        assert len(pc.pieces()) == (1 if chunk_tokens == 0 else len(pc.chunks))
+        assert chunk_tokens == 0 or len(pc.chunks) > 2
+        results.append(loss_and_grads(model, enc.named_parameters(),
+                                      lambda m: contrastive_loss(*m(q=qc, p=pc).values(), 2, temperature=0.05)))
+    assert_same(*results)
+
+
+@pytest.mark.parametrize("side,pooling", [("right", "native"), ("right", "avg"), ("left", "last")])
+def test_reranker_chunked_equals_unchunked(tiny_model_dir, tiny_decoder_dir, side, pooling):
+    path = tiny_model_dir if side == "right" else tiny_decoder_dir
+    tok = AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(0)
+    net = load_reranker(path).eval()
+    setup_pad_token(tok, net)
+    tok.padding_side = side
+    batch = collate_rerank(tok, QUERIES, GROUPS, max_length=64, append_eos=side == "left")
+    results = []
+    model = CrossEncoder(net, pooling)
+    for chunk_tokens in (0, 40):
+        pairs = chunk_batch(batch, chunk_tokens)
+        assert chunk_tokens == 0 or (len(pairs.chunks) > 2 and pairs.left == (side == "left"))
+        results.append(loss_and_grads(model, net.named_parameters(),
+                                      lambda m: listwise_loss(m(pairs=pairs)["pairs"], 2)))
+    assert_same(*results)

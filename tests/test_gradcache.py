@@ -1,0 +1,70 @@
+"""retrieval_kit/gradcache.py: GradCache leaves the gradients of one plain backward of the whole
+batch, with dropout on (it replays each chunk's RNG)."""
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from retrieval_kit.chunking import chunk_batch
+from retrieval_kit.collate import collate_biencoder, collate_rerank
+from retrieval_kit.gradcache import grad_cache
+from retrieval_kit.losses import contrastive_loss, listwise_loss
+from retrieval_kit.models import BiEncoder, CrossEncoder, load_encoder, load_reranker, setup_pad_token
+from tests.test_chunking import GROUPS, QUERIES, assert_same, loss_and_grads
+
+
+def run_piece(m, name, sub):
+    return m(**{name: sub})[name]
+
+
+def test_grad_cache_equals_plain_backward_with_dropout_on(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    q, p = collate_biencoder(tok, QUERIES, GROUPS, 32, 32)
+    enc = load_encoder(tiny_model_dir).train()  # dropout on: GradCache must replay each chunk's RNG
+    model = BiEncoder(enc, "avg", True)
+    inputs = {"q": chunk_batch(q, 24), "p": chunk_batch(p, 24)}
+    params = list(enc.named_parameters())
+
+    def plain(seed):
+        torch.manual_seed(seed)
+        return loss_and_grads(model, params, lambda m: contrastive_loss(*m(**inputs).values(), 2, temperature=0.05))
+
+    def cached(seed):
+        torch.manual_seed(seed)
+        return loss_and_grads(model, params, lambda m: grad_cache(
+            m, inputs, run_piece, lambda out: (contrastive_loss(out["q"], out["p"], 2, temperature=0.05), None))[0],
+            backward=False)
+
+    assert_same(plain(5), cached(5))
+    assert abs(plain(5)[0] - plain(6)[0]) > 1e-4  # dropout really is on: another seed, another loss
+    assert len(inputs["p"].chunks) > 2
+
+
+@pytest.mark.parametrize("side,pooling", [("right", "native"), ("left", "last")])
+def test_reranker_grad_cache_equals_plain_backward_with_dropout_on(tiny_model_dir, tiny_decoder_dir, side, pooling):
+    path = tiny_model_dir if side == "right" else tiny_decoder_dir
+    tok = AutoTokenizer.from_pretrained(path)
+    torch.manual_seed(0)
+    net = load_reranker(path).train()
+    for m in net.modules():  # Llama ships with attention dropout 0: turn it on to test the RNG replay
+        if hasattr(m, "attention_dropout"):
+            m.attention_dropout = 0.1
+    setup_pad_token(tok, net)
+    tok.padding_side = side
+    batch = collate_rerank(tok, QUERIES, GROUPS, max_length=64, append_eos=side == "left")
+    model = CrossEncoder(net, pooling)
+    inputs = {"pairs": chunk_batch(batch, 40)}
+    params = list(net.named_parameters())
+
+    def plain(seed):
+        torch.manual_seed(seed)
+        return loss_and_grads(model, params, lambda m: listwise_loss(m(**inputs)["pairs"], 2))
+
+    def cached(seed):
+        torch.manual_seed(seed)
+        return loss_and_grads(model, params, lambda m: grad_cache(
+            m, inputs, run_piece, lambda out: (listwise_loss(out["pairs"], 2), None))[0], backward=False)
+
+    assert_same(plain(5), cached(5))
+    assert abs(plain(5)[0] - plain(6)[0]) > 1e-5  # dropout really is on: another seed, another loss
+    assert len(inputs["pairs"].chunks) > 2

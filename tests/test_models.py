@@ -1,0 +1,101 @@
+"""retrieval_kit/models.py: pooling against naive loops, encoders, decoder rerankers."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModel, AutoTokenizer
+
+from retrieval_kit.collate import collate_rerank, tokenize
+from retrieval_kit.models import (BiEncoder, CrossEncoder, encode, load_encoder, load_reranker, make_bidirectional,
+                                  pool, setup_pad_token)
+
+
+def hidden_states(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+
+
+def naive_pool(hidden, mask, mode):
+    out = []
+    for h, m in zip(hidden, mask):
+        idx = [i for i in range(len(m)) if m[i] == 1]
+        if mode == "avg":
+            out.append(torch.stack([h[i] for i in idx]).mean(0))
+        elif mode == "cls":
+            out.append(h[0])
+        else:
+            out.append(h[idx[-1]])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("mode", ["avg", "cls", "last"])
+def test_pooling_modes_match_naive_loop(mode):
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 5, 4)
+    right = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    left = right.flip(1)
+    for mask in (right, left):
+        if mode == "cls" and mask is left:
+            continue  # cls means position 0 by definition
+        assert torch.allclose(pool(hidden, mask, mode), naive_pool(hidden, mask, mode), atol=1e-6)
+
+
+def test_last_pooling_left_and_right_padding_pick_the_same_token():
+    torch.manual_seed(0)
+    tokens = torch.randn(2, 3, 4)
+    right_h = torch.cat([tokens, torch.zeros(2, 2, 4)], 1)
+    left_h = torch.cat([torch.zeros(2, 2, 4), tokens], 1)
+    right_m = torch.tensor([[1, 1, 1, 0, 0]] * 2)
+    assert torch.equal(pool(right_h, right_m, "last"), pool(left_h, right_m.flip(1), "last"))
+    assert torch.equal(pool(right_h, right_m, "last"), tokens[:, -1])
+
+
+def test_encode_normalizes_and_biencoder_matches(tiny_model_dir, tokenizer):
+    model = load_encoder(tiny_model_dir).eval()
+    batch = tokenize(tokenizer, ["hello world", "a longer sentence with more words"], 32)
+    reps = encode(model, batch, "avg", normalize=True)
+    assert torch.allclose(reps.norm(dim=-1), torch.ones(2), atol=1e-5)
+    raw = encode(model, batch, "avg", normalize=False)
+    assert torch.allclose(F.normalize(raw, dim=-1), reps, atol=1e-6)
+    q, p = BiEncoder(model, "avg", True)(q=batch, p=batch).values()
+    assert torch.allclose(q, reps) and torch.allclose(p, reps)
+    with pytest.raises(ValueError, match="pooling"):
+        BiEncoder(model, "max")
+
+
+def test_decoder_pad_token_and_left_right_padding(tiny_decoder_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_decoder_dir)
+    assert tok.pad_token is None
+    net = load_reranker(tiny_decoder_dir).eval()
+    setup_pad_token(tok, net)
+    assert tok.pad_token == tok.eos_token and net.config.pad_token_id == tok.eos_token_id
+    queries, groups = ["python library"], [["a python package for data", "the server"]]
+    out = {}
+    for side in ("left", "right"):
+        tok.padding_side = side
+        batch = collate_rerank(tok, queries, groups, max_length=64, append_eos=True)
+        assert (batch["attention_mask"][:, 0 if side == "left" else -1] == 0).any()  # really padded
+        for pooling in ("last", "avg"):
+            with torch.no_grad():
+                out[side, pooling] = CrossEncoder(net, pooling)(pairs=batch)["pairs"]
+    for pooling in ("last", "avg"):
+        assert torch.allclose(out["left", pooling], out["right", pooling], atol=1e-5), pooling
+
+
+def test_bidirectional_attention_sees_later_tokens(tiny_decoder_dir):
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
+    changed = ids.clone()
+    changed[0, -1] = 10  # change only the last token
+    causal = AutoModel.from_pretrained(tiny_decoder_dir).eval()
+    h0, h1 = hidden_states(causal, ids), hidden_states(causal, changed)
+    assert torch.allclose(h0[0, :-1], h1[0, :-1], atol=1e-6)  # causal: earlier tokens blind to it
+    bidir = make_bidirectional(AutoModel.from_pretrained(tiny_decoder_dir).eval())
+    b0, b1 = hidden_states(bidir, ids), hidden_states(bidir, changed)
+    assert (b0[0, 0] - b1[0, 0]).abs().max() > 1e-4  # the first token now sees the last one
+    # with padding too (an explicit mask goes through the bidirectional mask path)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    with torch.no_grad():
+        pad0 = bidir(input_ids=torch.cat([ids, ids]), attention_mask=mask).last_hidden_state
+        pad1 = bidir(input_ids=torch.cat([changed, ids]), attention_mask=mask).last_hidden_state
+    assert (pad0[0, 0] - pad1[0, 0]).abs().max() > 1e-4
+    assert torch.allclose(pad0[1, :4], pad1[1, :4], atol=1e-6)  # masked tokens stay invisible
