@@ -71,20 +71,40 @@ class Chunked:
         return sorted_out if self.inverse is None else sorted_out[self.inverse]
 
 
-def plan_chunks(lengths, chunk_tokens):
-    """((start, end, width), ...) over rows sorted longest first, from their sorted token counts."""
+def _round_up(n, multiple):
+    return -(-n // multiple) * multiple if multiple else n
+
+
+def plan_chunks(lengths, chunk_tokens, multiple=None, n_chunks=None):
+    """((start, end, width), ...) over rows sorted longest first, from their sorted token counts.
+
+    A chunk's width is its longest row rounded up to `multiple` (as the batch was padded: tensor
+    cores want multiples of 8); it holds as many rows as fit in `chunk_tokens` at that width. With
+    `n_chunks` the rows are split into exactly that many chunks of near-equal row counts instead.
+    """
+    if n_chunks:
+        n_chunks = min(n_chunks, len(lengths))
+        bounds = [i * len(lengths) // n_chunks for i in range(n_chunks + 1)]
+        return tuple((s, e, _round_up(max(lengths[s], 1), multiple)) for s, e in zip(bounds, bounds[1:]))
     chunks, start = [], 0
     while start < len(lengths):
-        width = max(lengths[start], 1)
+        width = _round_up(max(lengths[start], 1), multiple)
         end = min(len(lengths), start + max(1, chunk_tokens // width))
         chunks.append((start, end, width))
         start = end
     return tuple(chunks)
 
 
-def chunk_batch(batch, chunk_tokens):
+def chunk_batch(batch, chunk_tokens, multiple=None, max_length=None):
     """A collated batch (dict of (rows, width) tensors on the CPU) -> Chunked, cut into length chunks
-    of at most `chunk_tokens` padded tokens (0 = off: the batch runs whole)."""
+    of at most `chunk_tokens` padded tokens (0 = off: the batch runs whole), each chunk's width a
+    multiple of `multiple`.
+
+    With `max_length` (the longest a row can be) the number of chunks is fixed from it instead:
+    ceil(rows / (chunk_tokens // max_length)), so every rank cuts a batch of the same size into the
+    same number of chunks without talking to the others - FSDP2 needs that, because every chunk's
+    forward all-gathers each layer's parameters, a collective all ranks must join.
+    """
     tensors = {k: v for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2}
     mask = tensors["attention_mask"]
     lengths = mask.sum(dim=1)
@@ -94,8 +114,13 @@ def chunk_batch(batch, chunk_tokens):
     order = torch.argsort(lengths, descending=True, stable=True)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(len(order))
-    return Chunked({k: v[order] for k, v in tensors.items()}, plan_chunks(lengths[order].tolist(), chunk_tokens),
-                   order, inverse, bool((mask[:, 0] == 0).any()), n_tokens)
+    rows = len(order)
+    n_chunks = -(-rows // max(1, chunk_tokens // _round_up(max_length, multiple))) if max_length else None
+    chunks = plan_chunks(lengths[order].tolist(), chunk_tokens, multiple, n_chunks)
+    full_width = mask.shape[1]
+    chunks = tuple((s, e, min(w, full_width)) for s, e, w in chunks)
+    return Chunked({k: v[order] for k, v in tensors.items()}, chunks, order, inverse, bool((mask[:, 0] == 0).any()),
+                   n_tokens)
 
 
 def run_chunked(fn, chunked):

@@ -204,16 +204,20 @@ def pair_post_processor(tokenizer, layout):
 
 
 def biencoder_inputs(queries, groups, *, tokenizer, query_max_length, passage_max_length, query_prefix="",
-                     passage_prefix="", pad_to_multiple_of=None, chunk_tokens=0):
+                     passage_prefix="", pad_to_multiple_of=None, chunk_tokens=0, same_chunk_count=False):
     """One bi-encoder micro-batch as BiEncoder takes it: {"q": Chunked, "p": Chunked}, each cut into
-    length chunks of at most `chunk_tokens` padded tokens (chunking.chunk_batch)."""
+    length chunks of at most `chunk_tokens` padded tokens (chunking.chunk_batch), of widths rounded
+    to `pad_to_multiple_of`; `same_chunk_count`: as many chunks on every rank (FSDP2)."""
     q, p = collate_biencoder(tokenizer, queries, groups, query_max_length, passage_max_length, query_prefix,
                              passage_prefix, pad_to_multiple_of)
-    return {"q": chunk_batch(q, chunk_tokens), "p": chunk_batch(p, chunk_tokens)}
+    return {"q": chunk_batch(q, chunk_tokens, pad_to_multiple_of, query_max_length if same_chunk_count else None),
+            "p": chunk_batch(p, chunk_tokens, pad_to_multiple_of, passage_max_length if same_chunk_count else None)}
 
 
-def rerank_inputs(queries, groups, *, tokenizer, layout, max_length, pad_to_multiple_of=None, chunk_tokens=0):
-    """One reranker micro-batch as CrossEncoder takes it: {"pairs": Chunked}, query-major pairs."""
+def rerank_inputs(queries, groups, *, tokenizer, layout, max_length, pad_to_multiple_of=None, chunk_tokens=0,
+                  same_chunk_count=False):
+    """One reranker micro-batch as CrossEncoder takes it: {"pairs": Chunked}, query-major pairs,
+    chunked as in biencoder_inputs."""
     batch = collate_rerank(tokenizer, queries, groups, max_length=max_length, pad_to_multiple_of=pad_to_multiple_of,
                            layout=layout)
-    return {"pairs": chunk_batch(batch, chunk_tokens)}
+    return {"pairs": chunk_batch(batch, chunk_tokens, pad_to_multiple_of, max_length if same_chunk_count else None)}

@@ -52,6 +52,34 @@ def test_chunks_cover_every_row_once_longest_first():
     assert off.chunks == () and off.pieces()[0][2]["input_ids"] is ids
 
 
+def test_chunk_widths_are_multiples_and_chunks_fit_the_budget():
+    torch.manual_seed(0)
+    for trial in range(20):
+        lengths = torch.randint(1, 61, (13,)).tolist()
+        width = -(-max(lengths) // 8) * 8  # the batch padded to a multiple of 8
+        mask = torch.tensor([[1] * n + [0] * (width - n) for n in lengths])
+        c = chunk_batch({"input_ids": mask.clone(), "attention_mask": mask}, 96, multiple=8)
+        longest = [max(lengths[i] for i in c.order[s:e].tolist()) for s, e, _ in c.chunks]
+        assert all(w % 8 == 0 and w <= width and w >= n for (_, _, w), n in zip(c.chunks, longest))
+        assert all((e - s) * w <= 96 or e - s == 1 for s, e, w in c.chunks)
+
+
+def test_same_chunk_count_on_every_rank_from_the_max_length():
+    """FSDP2: each chunk's forward is a collective, so two ranks with the same batch size but different
+    lengths must cut as many chunks; with max_length the count depends on the batch size alone."""
+    counts = set()
+    for lengths in ([3] * 16, [60] * 16, list(range(1, 17)), [64, 1] * 8):
+        mask = torch.tensor([[1] * n + [0] * (64 - n) for n in lengths])
+        c = chunk_batch({"input_ids": mask.clone(), "attention_mask": mask}, 256, multiple=8, max_length=64)
+        counts.add(len(c.chunks))
+        assert all((e - s) * w <= 256 for s, e, w in c.chunks)  # still within the budget
+        assert [r for s, e, _ in c.chunks for r in range(s, e)] == list(range(16))
+    assert counts == {4}  # 16 rows / (256 // 64)
+    free = {len(chunk_batch({"input_ids": m, "attention_mask": m}, 256, 8).chunks)
+            for m in (torch.ones(16, 8, dtype=torch.long), torch.ones(16, 64, dtype=torch.long))}
+    assert len(free) == 2  # without it the count follows the lengths (1 chunk of short rows, 4 of long)
+
+
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_biencoder_chunked_equals_unchunked(tiny_model_dir, tiny_decoder_dir, side):
     path, pooling = (tiny_model_dir, "avg") if side == "right" else (tiny_decoder_dir, "last")
@@ -63,13 +91,15 @@ def test_biencoder_chunked_equals_unchunked(tiny_model_dir, tiny_decoder_dir, si
     enc = load_encoder(path).eval()  # eval: dropout off, so both runs compute the same function
     results = []
     model = BiEncoder(enc, pooling, True)
-    for chunk_tokens in (0, 24):
-        qc, pc = chunk_batch(q, chunk_tokens), chunk_batch(p, chunk_tokens)
+    for chunk_tokens in (0, 24, 40):
+        multiple = 8 if chunk_tokens == 40 else None  # widths rounded up to a multiple: the same results
+        qc, pc = chunk_batch(q, chunk_tokens, multiple), chunk_batch(p, chunk_tokens, multiple)
         assert len(pc.pieces()) == (1 if chunk_tokens == 0 else len(pc.chunks))
         assert chunk_tokens == 0 or len(pc.chunks) > 2
         results.append(loss_and_grads(model, enc.named_parameters(),
                                       lambda m: contrastive_loss(*m(q=qc, p=pc).values(), 2, temperature=0.05)))
-    assert_same(*results)
+    for other in results[1:]:
+        assert_same(results[0], other)
 
 
 @pytest.mark.parametrize("side,pooling", [("right", "native"), ("right", "avg"), ("left", "last")])
@@ -83,9 +113,10 @@ def test_reranker_chunked_equals_unchunked(tiny_model_dir, tiny_decoder_dir, sid
     batch = collate_rerank(tok, QUERIES, GROUPS, max_length=64, append_eos=side == "left")
     results = []
     model = CrossEncoder(net, pooling)
-    for chunk_tokens in (0, 40):
-        pairs = chunk_batch(batch, chunk_tokens)
+    for chunk_tokens in (0, 40, 48):
+        pairs = chunk_batch(batch, chunk_tokens, 8 if chunk_tokens == 48 else None)
         assert chunk_tokens == 0 or (len(pairs.chunks) > 2 and pairs.left == (side == "left"))
         results.append(loss_and_grads(model, net.named_parameters(),
                                       lambda m: listwise_loss(m(pairs=pairs)["pairs"], 2)))
-    assert_same(*results)
+    for other in results[1:]:
+        assert_same(results[0], other)
