@@ -124,7 +124,7 @@ def main():
     collate = functools.partial(biencoder_inputs, tokenizer=tokenizer, query_max_length=args.query_max_length,
                                 passage_max_length=args.passage_max_length, query_prefix=args.query_prefix,
                                 passage_prefix=args.passage_prefix, pad_to_multiple_of=args.pad_to_multiple_of,
-                                chunk_tokens=args.chunk_tokens)
+                                chunk_tokens=args.chunk_tokens, same_chunk_count=args.parallel == "fsdp2")
     workers = loop.num_workers(args.num_workers, ctx.device)
     dataset = data.StepBatches(records, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed, collate)
     batches = loop.step_batches(dataset, start_step, args.max_steps, args.grad_accum_steps, workers, ctx.device)

@@ -152,7 +152,8 @@ def main():
 
     # ----- batches, built ahead; the step, decided once -----------------------------------------
     collate = functools.partial(rerank_inputs, tokenizer=tokenizer, layout=layout, max_length=args.rerank_max_length,
-                                pad_to_multiple_of=args.pad_to_multiple_of, chunk_tokens=args.chunk_tokens)
+                                pad_to_multiple_of=args.pad_to_multiple_of, chunk_tokens=args.chunk_tokens,
+                                same_chunk_count=args.parallel == "fsdp2")  # each chunk's forward is a collective
     workers = loop.num_workers(args.num_workers, ctx.device)
     dataset = data.StepBatches(records, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed, collate)
     batches = loop.step_batches(dataset, start_step, args.max_steps, args.grad_accum_steps, workers, ctx.device)

@@ -43,6 +43,8 @@ MODES = {  # name -> (processes, extra flags); "sigkill_resume" is killed after 
     # reranker run then dies in a mismatched all-gather (found while recording these runs)
     "fsdp2": (2, ["--parallel", "fsdp2", "--chunk-tokens", 0]),
     "sigkill_resume": (1, ["--lr-schedule", "constant"]),
+    # added after the fix that gives every rank as many chunks (recorded then, not before the refactor)
+    "fsdp2_chunked": (2, ["--parallel", "fsdp2"]),
 }
 CONFIGS = [f"{kind}/{mode}" for kind in SCRIPT_ARGS for mode in MODES]
 
