@@ -22,6 +22,7 @@ from retrieval_kit.export import export_model
 from retrieval_kit.losses import contrastive_loss, contrastive_scores
 from retrieval_kit.metrics import WindowedAverage, retrieval_metrics, top1
 from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder
+from retrieval_kit.st_format import SETTING_KEYS, resolve_biencoder_settings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -29,16 +30,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = data.add_data_args(p, os.path.join(HERE, "data"), n_passages=2, batch_size=16)
-    g.add_argument("--query-max-length", type=int, default=32, help="tokens per query (truncated beyond)")
-    g.add_argument("--passage-max-length", type=int, default=128, help="tokens per passage (truncated beyond)")
-    g.add_argument("--query-prefix", default="", help='prepended to each query, e.g. "query: " for E5 models')
-    g.add_argument("--passage-prefix", default="", help='prepended to each passage, e.g. "passage: "')
+    # these six default to what the model dir declares (its sentence-transformers files), else the kit's defaults
+    g.add_argument("--query-max-length", type=int, default=None,
+                   help="tokens per query, truncated beyond (default: the model dir's max_seq_length, else 32)")
+    g.add_argument("--passage-max-length", type=int, default=None,
+                   help="tokens per passage, truncated beyond (default: the model dir's max_seq_length, else 128)")
+    g.add_argument("--query-prefix", default=None, help='prepended to each query, e.g. "query: " for E5 models '
+                   "(default: the model dir's 'query' prompt, else none)")
+    g.add_argument("--passage-prefix", default=None, help='prepended to each passage, e.g. "passage: " (default: the '
+                   "model dir's 'document' prompt, else none)")
 
     g = p.add_argument_group("model")
     g.add_argument("--model", default=None, help="HF model dir (default: the bundled all-MiniLM-L6-v2)")
-    g.add_argument("--pooling", choices=("avg", "cls", "last"), default="avg", help="how token states become one vector")
-    g.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True,
-                   help="L2-normalize embeddings, so scores are cosine similarities (default on)")
+    g.add_argument("--pooling", choices=("avg", "cls", "last"), default=None,
+                   help="how token states become one vector (default: the model dir's sentence-transformers pooling, else avg)")
+    g.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                   help="L2-normalize embeddings, so scores are cosine similarities (default: as the model dir "
+                        "declares, else on)")
     g.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dir")
 
     g = p.add_argument_group("loss")
@@ -101,13 +109,16 @@ def main():
     model_dir = args.model or default_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
     encoder = load_encoder(model_dir, storage_dtype, args.trust_remote_code).to(ctx.device)
+    settings, read = resolve_biencoder_settings(model_dir, {k: getattr(args, k) for k in SETTING_KEYS})
+    if read:  # what the model dir's sentence-transformers files set
+        dist.print0(read)
     resume_dir = ckpt.resolve_resume(args.resume, args.output_dir)
     if resume_dir:
         ckpt.restore_model(encoder, resume_dir, storage_dtype)
 
     # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------
     model, eval_model = dist.wrap(
-        BiEncoder(encoder, args.pooling, args.normalize), encoder, ctx, args.parallel, args.activation_checkpointing,
+        BiEncoder(encoder, settings["pooling"], settings["normalize"]), encoder, ctx, args.parallel, args.activation_checkpointing,
         args.compile, precision.mp_policy(compute_dtype), args.reshard_after_forward, args.broadcast_buffers,
         args.find_unused_parameters, args.static_graph, args.bucket_cap_mb, args.gradient_as_bucket_view)
 
@@ -121,9 +132,9 @@ def main():
     start_step = state.step
 
     # ----- batches, built ahead; the step, decided once -----------------------------------------
-    collate = functools.partial(biencoder_inputs, tokenizer=tokenizer, query_max_length=args.query_max_length,
-                                passage_max_length=args.passage_max_length, query_prefix=args.query_prefix,
-                                passage_prefix=args.passage_prefix, pad_to_multiple_of=args.pad_to_multiple_of,
+    collate = functools.partial(biencoder_inputs, tokenizer=tokenizer, query_max_length=settings["query_max_length"],
+                                passage_max_length=settings["passage_max_length"], query_prefix=settings["query_prefix"],
+                                passage_prefix=settings["passage_prefix"], pad_to_multiple_of=args.pad_to_multiple_of,
                                 chunk_tokens=args.chunk_tokens, same_chunk_count=args.parallel == "fsdp2")
     workers = loop.num_workers(args.num_workers, ctx.device)
     dataset = data.StepBatches(records, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed, collate)
@@ -135,14 +146,11 @@ def main():
                                 accum=args.grad_accum_steps, autocast=(ctx.device.type, autocast_dtype))
     val_score = functools.partial(score_groups, collate=collate, temperature=args.temperature, device=ctx.device,
                                   autocast_dtype=autocast_dtype)
-    eval_settings = {"pooling": args.pooling, "normalize": args.normalize, "query_prefix": args.query_prefix,
-                     "passage_prefix": args.passage_prefix, "query_max_length": args.query_max_length,
-                     "passage_max_length": args.passage_max_length}  # also what the export saves
 
     # ----- logging -------------------------------------------------------------------------------
     logger = log.start(args, ctx, args.output_dir, args.max_steps, start_step, args.log_every,
                        ("loss", "loss_avg_window", "lr", "samples_per_s"), model_dir=model_dir,
-                       storage_dtype=str(storage_dtype), gather_negatives=gather, n_train=len(records),
+                       storage_dtype=str(storage_dtype), settings=settings, gather_negatives=gather, n_train=len(records),
                        n_val=len(val_records), steps_per_epoch=dataset.steps_per_epoch, num_workers=workers,
                        summary=f"world {ctx.world_size} on {ctx.device}; {len(records)} train groups, {len(val_records)} "
                                f"val; {args.batch_size * ctx.world_size * args.grad_accum_steps} queries x {args.n_passages} passages per "
@@ -160,7 +168,7 @@ def main():
                 logger.log(step, metrics, prefix="val")
                 logger.write(f"step {step}: val " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
             if beir:
-                run = evaluate.retrieve(eval_model, tokenizer, eval_settings, beir, args.eval_k, args.val_batch_size,
+                run = evaluate.retrieve(eval_model, tokenizer, settings, beir, args.eval_k, args.val_batch_size,
                                         ctx.device)
                 metrics = retrieval_metrics(run, beir[3])
                 logger.log(step, metrics, prefix="beir")
@@ -184,7 +192,7 @@ def main():
 
     # ----- export --------------------------------------------------------------------------------
     final = export_model(os.path.join(args.output_dir, "final"), encoder, tokenizer,
-                         {"kind": "biencoder", **eval_settings, "temperature": args.temperature})
+                         {"kind": "biencoder", **settings, "temperature": args.temperature})
     loop.end_run(logger, f"exported the bi-encoder to {final}")
 
 

@@ -22,10 +22,23 @@ from transformers import AutoTokenizer
 from . import dist
 from .data import DataError, jsonl_lines, shard
 from .encode import encode_sharded, score_groups
-from .export import load_exported_reranker, load_settings
+from .export import load_exported_reranker
 from .metrics import rank_docs, retrieval_metrics
 from .models import default_model_dir, load_encoder
 from .search import exact_topk
+from .st_format import resolve_biencoder_settings
+
+
+def add_biencoder_setting_args(ap):
+    """Flags that override what the model dir declares (retrieval_kit.json of an export, else its
+    sentence-transformers files, else avg / normalized / no prefixes / 32 and 128 tokens)."""
+    ap.add_argument("--pooling", choices=("avg", "cls", "last"), default=None, help="override the model dir's pooling")
+    ap.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                    help="override the model dir's normalization")
+    ap.add_argument("--query-prefix", default=None, help="override the model dir's query prefix (prompt)")
+    ap.add_argument("--passage-prefix", default=None, help="override the model dir's passage prefix (prompt)")
+    ap.add_argument("--query-max-length", type=int, default=None, help="override the model dir's query max length")
+    ap.add_argument("--passage-max-length", type=int, default=None, help="override the model dir's passage max length")
 
 
 def _read_jsonl(path, required):
@@ -67,11 +80,14 @@ def load_beir(beir_dir, split="test"):
     return ids, texts, queries, qrels
 
 
-def biencoder_settings(model_dir, defaults):
-    """Saved settings of an exported bi-encoder, else `defaults` (for a plain HF dir)."""
-    saved = load_settings(model_dir)
-    keys = ("pooling", "normalize", "query_prefix", "passage_prefix", "query_max_length", "passage_max_length")
-    return {k: saved.get(k, defaults[k]) for k in keys}
+def biencoder_settings(model_dir, flags):
+    """Pooling, normalization, prefixes and max lengths: explicit flags (not None), else the export's
+    retrieval_kit.json, else the dir's sentence-transformers files, else the kit's defaults; prints
+    what it read from sentence-transformers files."""
+    settings, read = resolve_biencoder_settings(model_dir, flags)
+    if read:
+        dist.print0(read)
+    return settings
 
 
 def retrieve(model, tokenizer, settings, beir, k=100, batch_size=64, device="cpu", progress=False):
@@ -139,12 +155,7 @@ def main(argv=None):
     ap.add_argument("--split", default="test", help="qrels file name under qrels/ (default test)")
     ap.add_argument("--k", type=int, default=100, help="docs retrieved per query (default 100)")
     ap.add_argument("--batch-size", type=int, default=64, help="texts per encoding batch")
-    ap.add_argument("--pooling", default="avg", help="for a plain HF dir (exports bring their own)")
-    ap.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True, help="for a plain HF dir")
-    ap.add_argument("--query-prefix", default="", help="for a plain HF dir")
-    ap.add_argument("--passage-prefix", default="", help="for a plain HF dir")
-    ap.add_argument("--query-max-length", type=int, default=32, help="for a plain HF dir")
-    ap.add_argument("--passage-max-length", type=int, default=128, help="for a plain HF dir")
+    add_biencoder_setting_args(ap)
     ap.add_argument("--reranker", default=None, help="exported reranker dir for a second stage (optional)")
     ap.add_argument("--rerank-top-k", type=int, default=10, help="docs per query the reranker rescores (default 10)")
     ap.add_argument("--rerank-weight", type=float, default=0.5,

@@ -35,12 +35,21 @@ PROBES = [("how do i list files", "ls lists directory contents " * 200), ("q", "
 
 def export_model(out_dir, model, tokenizer, settings):
     """Save a dir that AutoModel / AutoTokenizer.from_pretrained load, plus our settings beside it
-    (pooling, normalization, prefixes, max lengths, template) so evaluation tokenizes as training did."""
+    (pooling, normalization, prefixes, max lengths, template) so evaluation tokenizes as training did.
+    A bi-encoder (settings["kind"] == "biencoder") also gets the sentence-transformers files
+    (st_format.write_st_files), so SentenceTransformer(out_dir) embeds as the kit does."""
+    from .st_format import write_st_files
+
     weights = full_state_dict(model)  # collective under FSDP2
     if _rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
         unwrap(model).save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
+        if settings.get("kind") == "biencoder":
+            warnings = write_st_files(out_dir, settings, unwrap(model).config.hidden_size)
+            settings = {**settings, "sentence_transformers": {"files": True, "warnings": warnings}}
+            for w in warnings:
+                print(f"warning: {out_dir}: {w}", flush=True)
         with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
             json.dump(settings, f, indent=2)
     _barrier()

