@@ -118,9 +118,10 @@ def main():
 
     # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------
     model, eval_model = dist.wrap(
-        BiEncoder(encoder, settings["pooling"], settings["normalize"]), encoder, ctx, args.parallel, args.activation_checkpointing,
-        args.compile, precision.mp_policy(compute_dtype), args.reshard_after_forward, args.broadcast_buffers,
-        args.find_unused_parameters, args.static_graph, args.bucket_cap_mb, args.gradient_as_bucket_view)
+        BiEncoder(encoder, settings["pooling"], settings["normalize"]), encoder, ctx, args.parallel,
+        args.activation_checkpointing, args.compile, precision.mp_policy(compute_dtype), args.reshard_after_forward,
+        args.broadcast_buffers, args.find_unused_parameters, args.static_graph, args.bucket_cap_mb,
+        args.gradient_as_bucket_view)
 
     # ----- optimizer, schedule; resume, part 2: optimizer -> scheduler -> loop state ------------
     optimizer = optim.build_optimizer(optim.param_groups(encoder, args.weight_decay), args.lr,
@@ -132,10 +133,11 @@ def main():
     start_step = state.step
 
     # ----- batches, built ahead; the step, decided once -----------------------------------------
-    collate = functools.partial(biencoder_inputs, tokenizer=tokenizer, query_max_length=settings["query_max_length"],
-                                passage_max_length=settings["passage_max_length"], query_prefix=settings["query_prefix"],
-                                passage_prefix=settings["passage_prefix"], pad_to_multiple_of=args.pad_to_multiple_of,
-                                chunk_tokens=args.chunk_tokens, same_chunk_count=args.parallel == "fsdp2")
+    collate = functools.partial(  # under FSDP2 each chunk's forward is a collective: as many chunks on every rank
+        biencoder_inputs, tokenizer=tokenizer, query_max_length=settings["query_max_length"],
+        passage_max_length=settings["passage_max_length"], query_prefix=settings["query_prefix"],
+        passage_prefix=settings["passage_prefix"], pad_to_multiple_of=args.pad_to_multiple_of,
+        chunk_tokens=args.chunk_tokens, same_chunk_count=args.parallel == "fsdp2")
     workers = loop.num_workers(args.num_workers, ctx.device)
     dataset = data.StepBatches(records, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed, collate)
     batches = loop.step_batches(dataset, start_step, args.max_steps, args.grad_accum_steps, workers, ctx.device)
@@ -150,11 +152,13 @@ def main():
     # ----- logging -------------------------------------------------------------------------------
     logger = log.start(args, ctx, args.output_dir, args.max_steps, start_step, args.log_every,
                        ("loss", "loss_avg_window", "lr", "samples_per_s"), model_dir=model_dir,
-                       storage_dtype=str(storage_dtype), settings=settings, gather_negatives=gather, n_train=len(records),
-                       n_val=len(val_records), steps_per_epoch=dataset.steps_per_epoch, num_workers=workers,
-                       summary=f"world {ctx.world_size} on {ctx.device}; {len(records)} train groups, {len(val_records)} "
-                               f"val; {args.batch_size * ctx.world_size * args.grad_accum_steps} queries x {args.n_passages} passages per "
-                               f"step; {args.parallel}, storage {storage_dtype}, compute {compute_dtype or storage_dtype}")
+                       storage_dtype=str(storage_dtype), settings=settings, gather_negatives=gather,
+                       n_train=len(records), n_val=len(val_records), steps_per_epoch=dataset.steps_per_epoch,
+                       num_workers=workers,
+                       summary=f"world {ctx.world_size} on {ctx.device}; {len(records)} train groups, "
+                               f"{len(val_records)} val; {args.batch_size * ctx.world_size * args.grad_accum_steps} "
+                               f"queries x {args.n_passages} passages per step; {args.parallel}, storage "
+                               f"{storage_dtype}, compute {compute_dtype or storage_dtype}")
 
     # ----- loop ----------------------------------------------------------------------------------
     stop = ckpt.StopSignal()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0
@@ -175,7 +179,8 @@ def main():
                 logger.write(f"step {step}: {args.eval_beir} " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping):
             ckpt.save_checkpoint(args.output_dir, step, encoder, optimizer, scheduler,
-                                 state.state_dict(dataset.steps_per_epoch, args.grad_accum_steps), vars(args), wrapped=model, keep_last=args.keep_last)
+                                 state.state_dict(dataset.steps_per_epoch, args.grad_accum_steps), vars(args),
+                                 wrapped=model, keep_last=args.keep_last)
         if last_step or state.stopping:
             break
 

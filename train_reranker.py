@@ -167,9 +167,10 @@ def main():
                        ("loss", "loss_avg_window", "acc", "lr", "samples_per_s"), model_dir=model_dir,
                        storage_dtype=str(storage_dtype), tokenization=tok_settings, n_train=len(records),
                        n_val=len(val_records), steps_per_epoch=dataset.steps_per_epoch, num_workers=workers,
-                       summary=f"world {ctx.world_size} on {ctx.device}; {len(records)} train groups, {len(val_records)} "
-                               f"val; {args.batch_size * ctx.world_size * args.grad_accum_steps} queries x {args.n_passages} pairs per "
-                               f"step; {args.parallel}, storage {storage_dtype}, compute {compute_dtype or storage_dtype}")
+                       summary=f"world {ctx.world_size} on {ctx.device}; {len(records)} train groups, "
+                               f"{len(val_records)} val; {args.batch_size * ctx.world_size * args.grad_accum_steps} "
+                               f"queries x {args.n_passages} pairs per step; {args.parallel}, storage "
+                               f"{storage_dtype}, compute {compute_dtype or storage_dtype}")
 
     # ----- loop ----------------------------------------------------------------------------------
     stop = ckpt.StopSignal()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0
@@ -183,8 +184,8 @@ def main():
             logger.write(f"step {step}: val " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping):
             ckpt.save_checkpoint(args.output_dir, step, net, optimizer, scheduler,
-                                 {**state.state_dict(dataset.steps_per_epoch, args.grad_accum_steps), "tokenization": tok_settings},
-                                 vars(args), wrapped=model, keep_last=args.keep_last)
+                                 {**state.state_dict(dataset.steps_per_epoch, args.grad_accum_steps),
+                                  "tokenization": tok_settings}, vars(args), wrapped=model, keep_last=args.keep_last)
         if last_step or state.stopping:
             break
 

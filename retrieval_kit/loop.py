@@ -69,7 +69,7 @@ def step_batches(dataset, start_step, max_steps, accum, num_workers, device):
     loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=range(start_step * accum, max_steps * accum),
                                          num_workers=num_workers, pin_memory=device.type == "cuda", collate_fn=_as_is,
                                          worker_init_fn=_ignore_signals if num_workers else None,
-                                         generator=torch.Generator())  # its seed draw leaves the global RNG (dropout) alone
+                                         generator=torch.Generator())  # its seed draw leaves the global RNG alone
     return iter(loader)
 
 

@@ -1,0 +1,186 @@
+"""The kit's training step against sentence-transformers' own trainer, in the same run, and the kit's
+useful FLOP/s against this CPU's fp32 matmul peak at the model's shapes.
+
+    python bench/bench_peer.py                                        # default model and data, 16 x 2, 32/128 tokens
+    python bench/bench_peer.py --train-file bench/data/train.jsonl --batch-size 32 --passage-max-length 256
+
+Both sides train all-MiniLM-L6-v2 on the same batches, in the same order: each query with its positive
+and one hard negative, InfoNCE over every passage of the batch at scale 20 (temperature 0.05),
+grad-norm clipping at 1, fused AdamW (lr 1e-5, weight decay 0.01 on both), dropout on.
+  kit: train_biencoder.py's step (bench_train_step.make_kit: collate.biencoder_inputs with the
+       default --chunk-tokens 1024, loop.plain_step, loop.finish_step), batches collated in the
+       training process (--num-workers 0).
+  sentence-transformers: SentenceTransformerTrainer with MultipleNegativesRankingLoss(scale=20) on
+       (anchor, positive, negative) columns, batches taken in order (a sequential batch sampler),
+       its own collator and dataloader; max_seq_length = the passage max length (it has one for
+       both sides; queries here are shorter than the kit's query max length anyway).
+A step's time is the wall time from the end of one step to the end of the next, so both include
+fetching and tokenizing their batch. The kit block and the sentence-transformers block each run
+twice (kit, st, kit, st) and the medians are over both. Peak memory is the RSS high-water mark of a
+few steps in a fresh process per side.
+
+Useful FLOP/s: model FLOPs of the step on real (unpadded) tokens from the config - per token and
+layer 2 x (4H^2 + 2HI) for the projections and feed-forward, per sequence and layer 4 x len^2 x H for
+attention, x3 for forward + backward - divided by the step time, against the best fp32 matmul
+throughput torch reaches here on the model's feed-forward shapes.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.bench_train_step import (batches, current_rss_mb, kit_collate, make_kit, peak_rss_mb,  # noqa: E402
+                                    reset_peak_rss)
+from retrieval_kit import dist  # noqa: E402
+from retrieval_kit.models import default_model_dir  # noqa: E402
+
+
+def useful_flops(config, lengths):
+    """Training FLOPs of one step on sequences of these real lengths (see the module docstring)."""
+    h, i, n_layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    per_token = 2 * n_layers * (4 * h * h + 2 * h * i)
+    attention = sum(4 * n_layers * n * n * h for n in lengths)
+    return 3 * (per_token * sum(lengths) + attention)
+
+
+def matmul_peak(config, repeats=5):
+    """Best fp32 GFLOP/s of torch.mm on the feed-forward shapes, over a few row counts."""
+    h, i = config.hidden_size, config.intermediate_size
+    best = 0.0
+    for rows in (512, 1024, 2048, 4096):
+        for a, b in (((rows, h), (h, i)), ((rows, i), (i, h))):
+            x, w = torch.randn(*a), torch.randn(*b)
+            torch.mm(x, w)
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                torch.mm(x, w)
+                best = max(best, 2 * a[0] * a[1] * b[1] / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def sequential_batches(dataset, batch_size, drop_last, **_):
+    """sentence-transformers batch sampler in dataset order (the batches the kit sees)."""
+    from sentence_transformers.base.sampler import DefaultBatchSampler
+    from torch.utils.data import SequentialSampler
+
+    return DefaultBatchSampler(SequentialSampler(dataset), batch_size=batch_size, drop_last=drop_last)
+
+
+def st_run(model_dir, args, work, n_steps):
+    """Train sentence-transformers for n_steps on `work`; returns the step times (end to end)."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+    from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
+    from transformers import TrainerCallback
+
+    rows = {"anchor": [], "positive": [], "negative": []}
+    for queries, groups in work[:n_steps]:
+        for q, (pos, neg) in zip(queries, groups):
+            rows["anchor"].append(q)
+            rows["positive"].append(pos)
+            rows["negative"].append(neg)
+    model = SentenceTransformer(model_dir, device="cpu")
+    model.max_seq_length = args.passage_max_length
+    ends = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            ends.append(time.perf_counter())
+
+        def on_step_end(self, *a, **k):
+            ends.append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory() as out:
+        targs = SentenceTransformerTrainingArguments(
+            output_dir=out, per_device_train_batch_size=args.batch_size, max_steps=n_steps, learning_rate=1e-5,
+            weight_decay=0.01, optim="adamw_torch_fused", lr_scheduler_type="constant", warmup_steps=0,
+            max_grad_norm=1.0, logging_steps=10 ** 9, save_strategy="no", report_to="none", disable_tqdm=True,
+            dataloader_drop_last=True, batch_sampler=sequential_batches, seed=0, use_cpu=True)
+        trainer = SentenceTransformerTrainer(model=model, args=targs, train_dataset=Dataset.from_dict(rows),
+                                             loss=MultipleNegativesRankingLoss(model, scale=20.0), callbacks=[Clock()])
+        trainer.train()
+    return [b - a for a, b in zip(ends, ends[1:])]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF model dir (default: bundled MiniLM)")
+    ap.add_argument("--train-file", default=os.path.join(ROOT, "data", "train.jsonl"))
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--query-max-length", type=int, default=32)
+    ap.add_argument("--passage-max-length", type=int, default=128)
+    ap.add_argument("--chunk-tokens", type=int, default=1024, help="the kit's --chunk-tokens")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per block (two blocks per side)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each block")
+    ap.add_argument("--only", choices=("kit", "st"), help="(internal) run one side and print its peak RSS")
+    args = ap.parse_args()
+    args.n_passages, args.grad_cache, args.activation_checkpointing = 2, False, False
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = args.model or default_model_dir()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ctx = dist.init()
+    torch.manual_seed(0)
+    args.steps_total = args.warmup + args.steps
+    work = batches(args)
+    collate = kit_collate(tok, args)
+
+    def kit_block(n):
+        step, times, tokens = make_kit(model_dir, args, ctx), [], []
+        for queries, groups in work[:n]:
+            t0 = time.perf_counter()
+            inputs = collate(queries, groups)
+            step(inputs)
+            times.append(time.perf_counter() - t0)
+            tokens.append([int(x) for c in inputs.values() for x in c.batch["attention_mask"].sum(1)])
+        return times, tokens
+
+    if args.only:
+        n = args.warmup + 2
+        reset_peak_rss()
+        base = current_rss_mb()
+        kit_block(n) if args.only == "kit" else st_run(model_dir, args, work, n)
+        print(json.dumps({"peak_rss_mb": peak_rss_mb(), "step_mb": peak_rss_mb() - base}))
+        return
+
+    kit_times, st_times, lengths = [], [], []
+    for _ in range(2):
+        t, toks = kit_block(args.steps_total)
+        kit_times += t[args.warmup:]
+        lengths += toks[args.warmup:]
+        st_times += st_run(model_dir, args, work, args.steps_total)[args.warmup:]
+    mem = {}
+    for side in ("kit", "st"):
+        out = subprocess.run([sys.executable, __file__, "--only", side] + sys.argv[1:], capture_output=True, text=True,
+                             check=True)
+        mem[side] = json.loads(out.stdout.strip().splitlines()[-1])
+    config = AutoConfig.from_pretrained(model_dir)
+    kit_s, st_s = statistics.median(kit_times), statistics.median(st_times)
+    flops = statistics.median(useful_flops(config, toks) for toks in lengths)
+    peak = matmul_peak(config)
+    print(f"model {model_dir}\n{args.batch_size} queries x (1 positive + 1 hard negative), max lengths "
+          f"{args.query_max_length}/{args.passage_max_length}, {args.train_file}, {2 * args.steps} timed steps per side, "
+          f"threads {torch.get_num_threads()}, kit --chunk-tokens {args.chunk_tokens}")
+    print(f"{'':22} {'median step s':>14} {'peak RSS MB':>12} {'step MB':>8} {'useful GFLOP/s':>15}")
+    for name, side, s in (("sentence-transformers", "st", st_s), ("kit", "kit", kit_s)):
+        print(f"{name:22} {s:14.3f} {mem[side]['peak_rss_mb']:12.0f} {mem[side]['step_mb']:8.0f} "
+              f"{flops / s / 1e9:15.1f}")
+    print(f"kit / sentence-transformers: {kit_s / st_s:.3f} (step time), "
+          f"{mem['kit']['peak_rss_mb'] / mem['st']['peak_rss_mb']:.3f} (peak RSS); fp32 matmul peak at the model's "
+          f"shapes {peak:.1f} GFLOP/s: kit {100 * flops / kit_s / 1e9 / peak:.0f}%, sentence-transformers "
+          f"{100 * flops / st_s / 1e9 / peak:.0f}%")
+    dist.cleanup()
+
+
+if __name__ == "__main__":
+    main()
