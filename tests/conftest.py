@@ -120,7 +120,7 @@ def check_grad_cache_run(script, args, out_dir):
     assert len(plain) == len(cached) == 3
     # Without validation nothing else switches the model to train mode: dropout must be on anyway.
     # Unchunked, the dropout masks are drawn in another order, so the first loss differs (in eval
-    # mode the two are equal, tests/test_chunked.py).
+    # mode the two are equal, tests/test_chunking.py).
     assert abs(plain[0]["loss"] - unchunked[0]["loss"]) > 1e-4
     for a, b in zip(plain, cached):
         assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-4 * a["grad_norm"], (a, b)
