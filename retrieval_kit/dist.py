@@ -97,7 +97,7 @@ def reduce_mean(values):
 
 
 def reduce_mean_tensor(t):
-    """Mean over ranks of a device tensor, in place of a host read: stays on the device."""
+    """Mean over ranks of a device tensor, with no host read (the result stays on the device)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         t = t / dist.get_world_size()
