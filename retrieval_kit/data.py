@@ -100,17 +100,45 @@ def format_problems(problems, limit=50):
     return "\n".join(shown) + more
 
 
-def jsonl_lines(path):
-    """Yield ("path:line", text) for each non-blank line of a JSONL file; a file that cannot be
-    opened is a DataError naming it."""
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def text_lines(path, problems):
+    """Yield (lineno, text) for every line of a UTF-8 text file, plain or gzip-compressed (told by
+    its first bytes, whatever its name). A line that is not valid UTF-8 is reported in `problems`
+    as `path:line` and skipped, so every bad line of the file is reported at once; a byte-order
+    mark at the start is dropped. A file that cannot be opened, or a truncated or corrupt gzip
+    stream, is a DataError naming the file."""
+    import gzip
+    import zlib
+
     try:
-        f = open(path, encoding="utf-8")
+        with open(path, "rb") as f:
+            compressed = f.read(2) == GZIP_MAGIC
+        f = gzip.open(path, "rb") if compressed else open(path, "rb")
     except OSError as e:
         raise DataError(f"{path}: cannot open ({e.strerror})") from None
+    lineno = 0
     with f:
-        for lineno, line in enumerate(f, start=1):
-            if line.strip():
-                yield f"{path}:{lineno}", line
+        try:
+            for lineno, raw in enumerate(f, start=1):
+                if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                    raw = raw[3:]
+                try:
+                    yield lineno, raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    problems.append(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} "
+                                    "of the line); re-encode the file as UTF-8")
+        except (EOFError, OSError, zlib.error) as e:
+            raise DataError(f"{path}: the gzip stream is truncated or corrupt after line {lineno} ({e})") from None
+
+
+def jsonl_lines(path, problems):
+    """Yield ("path:line", text) for each non-blank line of a JSONL file (.jsonl or .jsonl.gz);
+    undecodable lines go to `problems` (text_lines)."""
+    for lineno, line in text_lines(path, problems):
+        if line.strip():
+            yield f"{path}:{lineno}", line
 
 
 def read_records(path, n_passages=None):
@@ -121,7 +149,7 @@ def read_records(path, n_passages=None):
     groups sample negatives with replacement).
     """
     records, problems = [], []
-    for where, line in jsonl_lines(path):
+    for where, line in jsonl_lines(path, problems):
         rec = parse_line(line, where, problems)
         if rec is not None:
             records.append(rec)

@@ -20,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from . import dist
-from .data import DataError, jsonl_lines, shard
+from .data import DataError, jsonl_lines, shard, text_lines
 from .encode import encode_sharded, score_groups
 from .export import load_exported_reranker
 from .metrics import rank_docs, retrieval_metrics
@@ -43,7 +43,7 @@ def add_biencoder_setting_args(ap):
 
 def _read_jsonl(path, required):
     rows, problems = [], []
-    for where, line in jsonl_lines(path):
+    for where, line in jsonl_lines(path, problems):
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
@@ -59,24 +59,32 @@ def _read_jsonl(path, required):
     return rows
 
 
+def _beir_file(path):
+    """path, or path.gz when only the compressed file is there."""
+    return path + ".gz" if not os.path.exists(path) and os.path.exists(path + ".gz") else path
+
+
 def load_beir(beir_dir, split="test"):
-    """(corpus_ids, corpus_texts, queries {qid: text}, qrels {qid: {doc id: rel}}) of a BEIR folder.
-    A doc's text is its title and text joined by a space, as BEIR's dense baselines do."""
-    corpus = _read_jsonl(os.path.join(beir_dir, "corpus.jsonl"), ("_id", "text"))
+    """(corpus_ids, corpus_texts, queries {qid: text}, qrels {qid: {doc id: rel}}) of a BEIR folder
+    (each file plain or .gz). A doc's text is its title and text joined by a space, as BEIR's dense
+    baselines do."""
+    corpus = _read_jsonl(_beir_file(os.path.join(beir_dir, "corpus.jsonl")), ("_id", "text"))
     ids = [str(d["_id"]) for d in corpus]
     texts = [(str(d.get("title") or "") + " " + str(d["text"])).strip() for d in corpus]
-    queries = {str(q["_id"]): str(q["text"]) for q in _read_jsonl(os.path.join(beir_dir, "queries.jsonl"), ("_id", "text"))}
-    qrels, path = {}, os.path.join(beir_dir, "qrels", f"{split}.tsv")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            parts = line.rstrip("\n").split("\t")
-            if lineno == 1 and parts[0] == "query-id":
-                continue
-            if len(parts) != 3 or not parts[2].lstrip("-").isdigit():
-                raise DataError(f"{path}:{lineno}: expected 'query-id<TAB>corpus-id<TAB>integer score'")
-            if parts[0] not in queries:
-                raise DataError(f"{path}:{lineno}: query-id {parts[0]!r} is not in queries.jsonl")
-            qrels.setdefault(parts[0], {})[parts[1]] = int(parts[2])
+    queries = {str(q["_id"]): str(q["text"])
+               for q in _read_jsonl(_beir_file(os.path.join(beir_dir, "queries.jsonl")), ("_id", "text"))}
+    qrels, path, problems = {}, _beir_file(os.path.join(beir_dir, "qrels", f"{split}.tsv")), []
+    for lineno, line in text_lines(path, problems):
+        parts = line.rstrip("\r\n").split("\t")
+        if lineno == 1 and parts[0] == "query-id":
+            continue
+        if len(parts) != 3 or not parts[2].lstrip("-").isdigit():
+            raise DataError(f"{path}:{lineno}: expected 'query-id<TAB>corpus-id<TAB>integer score'")
+        if parts[0] not in queries:
+            raise DataError(f"{path}:{lineno}: query-id {parts[0]!r} is not in queries.jsonl")
+        qrels.setdefault(parts[0], {})[parts[1]] = int(parts[2])
+    if problems:
+        raise DataError(f"{len(problems)} problem(s) in {path}:\n" + "\n".join(problems[:50]))
     return ids, texts, queries, qrels
 
 

@@ -1,9 +1,11 @@
 import json
+import os
 import random
 
 import pytest
 
 from retrieval_kit import data
+from tests.conftest import ROOT
 
 
 def write(tmp_path, lines, name="d.jsonl"):
@@ -97,3 +99,70 @@ def test_rank_batches_partition_the_global_batch():
 def test_shard_covers_everything_once():
     items = list(range(11))
     assert sum((data.shard(items, r, 3) for r in range(3)), []) == items
+
+
+def _first_lines(n):
+    with open(os.path.join(ROOT, "data", "train.jsonl"), "rb") as f:
+        return [next(f) for _ in range(n)]
+
+
+def test_gzipped_file_reads_as_the_plain_one(tmp_path):
+    import gzip
+
+    lines = _first_lines(20)
+    plain, packed = tmp_path / "t.jsonl", tmp_path / "t.jsonl.gz"
+    plain.write_bytes(b"".join(lines))
+    packed.write_bytes(gzip.compress(b"".join(lines)))
+    misnamed = tmp_path / "t2.jsonl"  # compressed, named as plain: told by its first bytes
+    misnamed.write_bytes(gzip.compress(b"".join(lines)))
+    want = data.read_records(str(plain), 2)[0]
+    for path in (packed, misnamed):
+        got = data.read_records(str(path), 2)[0]
+        assert [(r.query, r.pos, r.neg) for r in got] == [(r.query, r.pos, r.neg) for r in want]
+
+
+def test_undecodable_lines_are_each_named_with_the_other_problems(tmp_path):
+    lines = _first_lines(8)
+    lines[2] = lines[2].replace(b"a", b"\xe9", 1)  # latin-1 byte
+    lines[4] = b"{not json\n"
+    lines[6] = b"\xff" + lines[6]
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"".join(lines))
+    with pytest.raises(data.DataError) as e:
+        data.read_records(str(path), 2)
+    msg = str(e.value)
+    assert msg.startswith("3 problem(s)")
+    assert f"{path}:3: not UTF-8 text" in msg and f"{path}:7: not UTF-8 text (byte 0xff at byte 1" in msg
+    assert f"{path}:5: invalid JSON" in msg
+
+
+def test_bom_and_crlf_are_read(tmp_path):
+    lines = [l.rstrip(b"\n") + b"\r\n" for l in _first_lines(4)]
+    path = tmp_path / "win.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b"".join(lines))
+    records = data.read_records(str(path), 2)[0]
+    assert len(records) == 4 and not records[0].query.startswith("\ufeff")
+
+
+def test_truncated_gzip_is_one_message(tmp_path):
+    import gzip
+
+    blob = gzip.compress(b"".join(_first_lines(200)))
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(blob[:len(blob) // 2])
+    with pytest.raises(data.DataError, match=f"{path}: the gzip stream is truncated or corrupt after line"):
+        data.read_records(str(path), 2)
+
+
+def test_gzipped_beir_folder(tmp_path):
+    import gzip
+    import shutil
+
+    from retrieval_kit.evaluate import load_beir
+
+    src = os.path.join(ROOT, "data", "eval")
+    (tmp_path / "qrels").mkdir()
+    for name in ("corpus.jsonl", "queries.jsonl", os.path.join("qrels", "test.tsv")):
+        with open(os.path.join(src, name), "rb") as f, gzip.open(tmp_path / (name + ".gz"), "wb") as out:
+            shutil.copyfileobj(f, out)
+    assert load_beir(str(tmp_path)) == load_beir(src)
