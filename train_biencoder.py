@@ -202,4 +202,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    data.exit_on_data_error(main)

@@ -94,6 +94,17 @@ def parse_line(line, where, problems):
     return Record(query=query, pos=docs["pos"], neg=docs["neg"], where=where)
 
 
+def exit_on_data_error(main):
+    """Run an entry point's main(): a DataError (a user's bad or missing file) ends the run with its
+    message (printed once, by rank 0 under torchrun) and exit status 1, not a traceback."""
+    from .dist import is_main
+
+    try:
+        return main()
+    except DataError as e:
+        raise SystemExit(str(e) if is_main() else 1) from None
+
+
 def format_problems(problems, limit=50):
     shown = problems[:limit]
     more = f"\n... and {len(problems) - limit} more" if len(problems) > limit else ""

@@ -210,4 +210,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from retrieval_kit.data import exit_on_data_error
+
+    exit_on_data_error(main)

@@ -166,3 +166,18 @@ def test_gzipped_beir_folder(tmp_path):
         with open(os.path.join(src, name), "rb") as f, gzip.open(tmp_path / (name + ".gz"), "wb") as out:
             shutil.copyfileobj(f, out)
     assert load_beir(str(tmp_path)) == load_beir(src)
+
+
+@pytest.mark.parametrize("entry", [["train_biencoder.py", "--train-file"], ["train_reranker.py", "--train-file"],
+                                   ["-m", "retrieval_kit.mine", "--out", "unused.jsonl", "--input"]])
+def test_a_bad_file_is_one_message_not_a_traceback(tmp_path, entry):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b"\xff" + _first_lines(1)[0] + b"{nope\n")
+    cmd = [sys.executable] + ([os.path.join(ROOT, entry[0])] + entry[1:] if entry[0] != "-m" else entry) + [str(bad)]
+    out = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert f"{bad}:1: not UTF-8 text" in out.stderr and f"{bad}:2: invalid JSON" in out.stderr
