@@ -271,7 +271,6 @@ def add_data_args(parser, data_dir, n_passages, batch_size, unit="passages"):
     """The data flags both scripts share (each adds its own tokenization flags to the group)."""
     import os
 
-    chunk_tokens = CHUNK_TOKENS
     g = parser.add_argument_group("data")
     g.add_argument("--train-file", default=os.path.join(data_dir, "train.jsonl"), help="training JSONL")
     g.add_argument("--val-file", default=os.path.join(data_dir, "val.jsonl"),
@@ -284,9 +283,9 @@ def add_data_args(parser, data_dir, n_passages, batch_size, unit="passages"):
     g.add_argument("--batch-size", type=int, default=batch_size,
                    help=f"queries per rank per micro-batch (default {batch_size})")
     g.add_argument("--pad-to-multiple-of", type=int, default=8, help="round padded lengths up to this (0 = off)")
-    g.add_argument("--chunk-tokens", type=int, default=chunk_tokens,
+    g.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS,
                    help="run each batch in length-sorted chunks of at most this many padded tokens, each "
-                        f"padded only to its own longest row; same loss and grads (0 = off; default {chunk_tokens})")
+                        f"padded only to its own longest row; same loss and grads (0 = off; default {CHUNK_TOKENS})")
     g.add_argument("--grad-cache", action="store_true",
                    help="GradCache: compute the batch's outputs without a graph, then recompute chunk by chunk "
                         "(--chunk-tokens) backpropagating the cached output grads; same loss and grads, memory "
