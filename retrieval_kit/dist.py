@@ -5,13 +5,19 @@ in-memory store), so every code path - DDP wrapping, reductions, gathers - is th
 """
 
 import argparse
+import atexit
 import contextlib
+import functools
 import inspect
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists, on purpose: its collectives take `group=group.WORLD`
+# as a default argument, so importing it after init_process_group keeps the world group alive in
+# ten function defaults past destroy_process_group (see release_at_exit).
+import torch.distributed.nn.functional  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -41,6 +47,7 @@ def init():
             dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        atexit.register(release_at_exit)
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
@@ -60,6 +67,33 @@ def seed_all(seed, rank, torch_per_rank=True):
 def cleanup():
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def release_at_exit():
+    """Free the process groups' C++ objects (and so join gloo's worker threads) before the
+    interpreter starts tearing itself down. init() registers this with atexit, which runs after
+    main() has returned, so the model and optimizer are gone by then.
+
+    destroy_process_group alone does not free them while Python objects still hold the group:
+    DTensor's sharding caches keep every FSDP2 DeviceMesh (and its group) alive, and so did the
+    function defaults above. A group freed later, during interpreter teardown, aborted a finished
+    2-rank FSDP2 run in CI ("terminate called without an active exception", SIGABRT, exit -6
+    after the export had been written). tests/test_dist.py checks no gloo thread is left."""
+    import gc
+    import sys
+
+    cleanup()
+    if "torch.distributed.tensor" in sys.modules:  # DTensor's caches, keyed by the mesh
+        for obj in gc.get_objects():
+            if isinstance(obj, functools._lru_cache_wrapper) and \
+                    getattr(obj, "__module__", "").startswith("torch.distributed"):
+                obj.cache_clear()
+        if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # its C++ fast path
+            torch._C._clear_DTensor_sharding_propagator_cache()
+        redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+        if hasattr(redistribute, "clear_redistribute_planner_cache"):  # planners hold their mesh
+            redistribute.clear_redistribute_planner_cache()
+    gc.collect()
 
 
 def world_size():

@@ -9,6 +9,7 @@ and the test that asserts it names the same key, so `grep -n KEY tests/dist_work
     torchrun --nproc_per_node=2 tests/dist_worker.py TINY_MODEL_DIR TRAIN_JSONL OUT_DIR
 """
 
+import atexit
 import copy
 import json
 import os
@@ -264,5 +265,21 @@ def main():
     dist.cleanup()
 
 
+def record_threads_at_exit(out_dir):
+    """Registered before dist.init() registers dist.release_at_exit, so it runs after it (atexit is
+    last in, first out): the threads left when the interpreter starts its teardown."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    with open(os.path.join(out_dir, f"threads_at_exit_rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump(sorted(names), f)
+
+
 if __name__ == "__main__":
+    if os.path.isdir("/proc/self/task"):
+        atexit.register(record_threads_at_exit, sys.argv[3])
     main()
