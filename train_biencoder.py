@@ -97,8 +97,7 @@ def main():
     dist.seed_all(args.seed, ctx.rank)  # dropout differs per rank; data order comes from args.seed
 
     # ----- data: read and validate everything before any model is loaded -----------------------
-    records, val_records = data.read_train_val(args.train_file, args.n_passages, args.val_file, args.val_n_passages,
-                                               args.val_max_groups, args.batch_size, ctx.world_size)
+    records, val_records = data.read_train_val(args, ctx.world_size)
     beir = evaluate.load_beir(args.eval_beir) if args.eval_beir else None
     gather = args.gather_negatives if args.gather_negatives is not None else ctx.world_size > 1
     loop.check_step_flags(args.grad_cache, args.static_graph)

@@ -96,8 +96,7 @@ def main():
     dist.seed_all(args.seed, ctx.rank, torch_per_rank=False)  # the same fresh head on every rank
 
     # ----- data: read and validate everything before any model is loaded -----------------------
-    records, val_records = data.read_train_val(args.train_file, args.n_passages, args.val_file, args.val_n_passages,
-                                               args.val_max_groups, args.batch_size, ctx.world_size)
+    records, val_records = data.read_train_val(args, ctx.world_size)
     if args.head_lr_mult <= 0:
         raise SystemExit(f"--head-lr-mult must be positive, got {args.head_lr_mult}")
     loop.check_step_flags(args.grad_cache, args.static_graph)

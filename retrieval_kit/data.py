@@ -1,97 +1,34 @@
-"""Read and validate training JSONL; sample groups; shard batches over ranks.
+"""Read and validate training data; sample groups; shard batches over ranks.
 
-A record is one JSON object per line:
-    {"query": "...", "pos_doc": ["..."], "neg_doc": ["...", "..."]}
-`question` is accepted for `query`, `pos` for `pos_doc`, `neg` for `neg_doc`.
-A doc is a string or {"id": ..., "text": "..."}.
+A record is one JSON object per line, in any of the field's formats (formats.py):
+    {"query": "...", "pos_doc": ["..."], "neg_doc": ["...", "..."]}          NeMo inline
+    {"query": "...", "pos": [...], "neg": [...], "pos_scores": [...], ...}   FlagEmbedding
+    {"anchor": "...", "positive": "...", "negative_1": "...", ...}          sentence-transformers
+    {"query": "...", "positive_passages": [{"docid", "title", "text"}], ...}  Tevatron
+Docs may be ids into a BEIR corpus (--corpus). Records are held as ids into one store of passage
+texts (textstore.py), each text once.
 
 Every bad line is reported as `file:line: problem`, all of them at once, before training starts.
 """
 
-import json
 import random
+from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-FIELD_ALIASES = {"query": ("query", "question"), "pos": ("pos_doc", "pos"), "neg": ("neg_doc", "neg")}
-
-
-class DataError(ValueError):
-    """Raised with one `file:line: problem` per bad line."""
+from .formats import DataError, detect_format, jsonl_objects, raise_problems, read_corpus, unread_fields
+from .textstore import Records, TextStore, digest
 
 
 @dataclass
 class Record:
+    """A record built by hand (tests, small tools): texts in lists. read_records gives RecordViews."""
     query: str
     pos: list
     neg: list = field(default_factory=list)
     where: str = ""  # "file:line", for messages
-
-
-def _doc_text(doc, where, fld, i, problems):
-    if isinstance(doc, str):
-        if not doc.strip():
-            problems.append(f"{where}: {fld}[{i}] is an empty string")
-            return None
-        return doc
-    if isinstance(doc, dict):
-        text = doc.get("text")
-        if not isinstance(text, str) or not text.strip():
-            problems.append(f"{where}: {fld}[{i}] is an object without a non-empty string 'text'")
-            return None
-        return text
-    problems.append(f"{where}: {fld}[{i}] must be a string or an object with 'text', got {type(doc).__name__}")
-    return None
-
-
-def _pick(obj, key, where, problems):
-    """Return (field name used, value) for one of the aliases of `key`; report clashes."""
-    names = [n for n in FIELD_ALIASES[key] if n in obj]
-    if len(names) > 1:
-        problems.append(f"{where}: both {names[0]!r} and {names[1]!r} given; use one")
-        return names[0], None
-    if not names:
-        return FIELD_ALIASES[key][0], None
-    return names[0], obj[names[0]]
-
-
-def parse_line(line, where, problems):
-    """Parse one JSONL line into a Record, appending any problems; returns None if the line is bad."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        problems.append(f"{where}: invalid JSON ({e.msg} at column {e.colno})")
-        return None
-    if not isinstance(obj, dict):
-        problems.append(f"{where}: expected a JSON object, got {type(obj).__name__}")
-        return None
-    n_before = len(problems)
-    qname, query = _pick(obj, "query", where, problems)
-    if query is None and len(problems) == n_before:
-        problems.append(f"{where}: missing field 'query' (or 'question')")
-    elif query is not None and (not isinstance(query, str) or not query.strip()):
-        problems.append(f"{where}: field {qname!r} must be a non-empty string")
-    docs = {}
-    for key, required in (("pos", True), ("neg", False)):
-        name, value = _pick(obj, key, where, problems)
-        if value is None:
-            if required and not any(n in obj for n in FIELD_ALIASES[key]):
-                problems.append(f"{where}: missing field 'pos_doc' (or 'pos')")
-            docs[key] = []
-            continue
-        if isinstance(value, (str, dict)):
-            value = [value]
-        if not isinstance(value, list):
-            problems.append(f"{where}: field {name!r} must be a list of docs, got {type(value).__name__}")
-            docs[key] = []
-            continue
-        if required and not value:
-            problems.append(f"{where}: field {name!r} is empty; a record needs at least one positive")
-        docs[key] = [_doc_text(d, where, name, i, problems) for i, d in enumerate(value)]
-    if len(problems) > n_before:
-        return None
-    return Record(query=query, pos=docs["pos"], neg=docs["neg"], where=where)
 
 
 def exit_on_data_error(main):
@@ -105,81 +42,104 @@ def exit_on_data_error(main):
         raise SystemExit(str(e) if is_main() else 1) from None
 
 
-def format_problems(problems, limit=50):
-    shown = problems[:limit]
-    more = f"\n... and {len(problems) - limit} more" if len(problems) > limit else ""
-    return "\n".join(shown) + more
+RESOLVE_EVERY = 4096  # records whose corpus ids are looked up together
 
 
-GZIP_MAGIC = b"\x1f\x8b"
+def read_records(path, n_passages=None, corpus=None, fill=None):
+    """Read and validate a training JSONL file (any format in formats.py) into textstore.Records.
+    Raises DataError listing every bad line. Returns (records, warnings); `records.summary` is one
+    line saying what was read (the format, counts, scores, prompts, fields not read).
 
-
-def text_lines(path, problems):
-    """Yield (lineno, text) for every line of a UTF-8 text file, plain or gzip-compressed (told by
-    its first bytes, whatever its name). A line that is not valid UTF-8 is reported in `problems`
-    as `path:line` and skipped, so every bad line of the file is reported at once; a byte-order
-    mark at the start is dropped. A file that cannot be opened, or a truncated or corrupt gzip
-    stream, is a DataError naming the file."""
-    import gzip
-    import zlib
-
-    try:
-        with open(path, "rb") as f:
-            compressed = f.read(2) == GZIP_MAGIC
-        f = gzip.open(path, "rb") if compressed else open(path, "rb")
-    except OSError as e:
-        raise DataError(f"{path}: cannot open ({e.strerror})") from None
-    lineno = 0
-    with f:
-        try:
-            for lineno, raw in enumerate(f, start=1):
-                if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                    raw = raw[3:]
-                try:
-                    yield lineno, raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    problems.append(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} "
-                                    "of the line); re-encode the file as UTF-8")
-        except (EOFError, OSError, zlib.error) as e:
-            raise DataError(f"{path}: the gzip stream is truncated or corrupt after line {lineno} ({e})") from None
-
-
-def jsonl_lines(path, problems):
-    """Yield ("path:line", text) for each non-blank line of a JSONL file (.jsonl or .jsonl.gz);
-    undecodable lines go to `problems` (text_lines)."""
-    for lineno, line in text_lines(path, problems):
-        if line.strip():
-            yield f"{path}:{lineno}", line
-
-
-def read_records(path, n_passages=None):
-    """Read and validate a training JSONL file. Raises DataError listing every bad line.
-
-    With `n_passages`, also checks each record can form a group of 1 positive + (n_passages - 1)
-    negatives; returns (records, warnings) where warnings say which pools are too small (those
-    groups sample negatives with replacement).
+    corpus: a textstore.Corpus (formats.read_corpus) that docs given by id refer to; its texts are
+    the passage store. With `n_passages`, checks each record can form a group of 1 positive +
+    (n_passages - 1) negatives: a record without negatives is an error unless `fill` is "random"
+    (missing negatives drawn from all passages; sample_group); a record with too few samples them
+    with replacement (a warning) unless `fill` fills them.
     """
-    records, problems = [], []
-    for where, line in jsonl_lines(path, problems):
-        rec = parse_line(line, where, problems)
-        if rec is not None:
-            records.append(rec)
-    if not records and not problems:
+    problems, warnings = [], []
+    passages = corpus.texts if corpus is not None else TextStore()
+    records, stored, pending = Records(path, passages), {}, []
+    fmt, unread, one_word = None, Counter(), [0]  # inline texts without a space: ids without --corpus?
+
+    def resolve():
+        wanted = [doc for _, parsed in pending for doc in parsed[2] + parsed[3] if doc[0] == "id"]
+        found = iter(corpus.find([d for _, d in wanted]).tolist()) if wanted else None
+        for lineno, (query, prompt, pos, neg, pos_scores, neg_scores) in pending:
+            ids, missing = [], []
+            for kind, value in pos + neg:
+                if kind == "text":
+                    key = digest(value)
+                    j = stored.get(key)
+                    if j is None:
+                        j = stored[key] = passages.add(value)
+                        one_word[0] += not any(c.isspace() for c in value.strip())
+                else:
+                    j = next(found)
+                    if j < 0:
+                        missing.append(value)
+                ids.append(j)
+            if missing:
+                problems.append(f"{path}:{lineno}: doc id {missing[0]!r} is not in {corpus.path}" +
+                                (f" (nor {len(missing) - 1} more of this record's ids)" if len(missing) > 1 else ""))
+                continue
+            records.add(lineno, query, ids[:len(pos)], ids[len(pos):], pos_scores, neg_scores, prompt)
+        pending.clear()
+
+    for lineno, obj in jsonl_objects(path, problems):
+        if fmt is None:
+            fmt = detect_format(obj)
+        unread.update(unread_fields(obj, fmt[2]))
+        parsed = fmt[1](obj, f"{path}:{lineno}", corpus is not None, problems)
+        if parsed is not None:
+            pending.append((lineno, parsed))
+            if len(pending) >= RESOLVE_EVERY:
+                resolve()
+    resolve()
+    if not len(records) and not problems:
         problems.append(f"{path}: no records (the file is empty)")
-    warnings = []
+    raise_problems(path, problems)
+    records.fill = fill
     if n_passages is not None and n_passages > 1:
         need = n_passages - 1
-        short = [r for r in records if 0 < len(r.neg) < need]
-        for r in records:
-            if not r.neg:
-                problems.append(f"{r.where}: no negatives, but --n-passages {n_passages} needs {need} per group")
-        if short:
-            warnings.append(
-                f"{len(short)} record(s) have fewer than {need} negatives (first: {short[0].where}); "
-                "their negatives are sampled with replacement")
-    if problems:
-        raise DataError(f"{len(problems)} problem(s) in {path}:\n" + format_problems(problems))
+        n_neg = np.diff(np.frombuffer(records.neg_ends, dtype=np.int64), prepend=0)
+        n_pos = np.diff(np.frombuffer(records.pos_ends, dtype=np.int64), prepend=0)
+        none, short = np.nonzero(n_neg == 0)[0], np.nonzero((n_neg > 0) & (n_neg < need))[0]
+        if fill == "random" and (len(none) or len(short)):
+            if len(passages) - int(n_pos.max()) < need:
+                raise DataError(f"{path}: --fill-negatives random needs at least {need} passages besides a record's "
+                                f"positives; there are {len(passages)} passages in all")
+            warnings.append(f"{len(none) + len(short)} record(s) have " +
+                            ("no negatives" if not len(short) else f"fewer than {need} negatives") + " (first: "
+                            f"{records[int(min(list(none[:1]) + list(short[:1])))].where}); the rest are drawn from "
+                            f"random passages (--fill-negatives random)")
+        elif len(none):
+            first = ", ".join(records[int(i)].where for i in none[:3])
+            raise DataError(f"{path}: {len(none)} of {len(records)} record(s) have no negatives, but --n-passages "
+                            f"{n_passages} needs {need} per group (first: {first}); pass --fill-negatives random to "
+                            "draw them from the other passages, or lower --n-passages")
+        elif len(short):
+            warnings.append(f"{len(short)} record(s) have fewer than {need} negatives (first: "
+                            f"{records[int(short[0])].where}); their negatives are sampled with replacement "
+                            "(or pass --fill-negatives random)")
+    if corpus is None and len(stored) >= 10 and one_word[0] >= 0.9 * len(stored):
+        warnings.append(f"{path}: {one_word[0]} of its {len(stored)} distinct passages are one word each: if they "
+                        "are ids into a corpus, pass --corpus (without it a string doc is the passage text)")
+    records.summary = _summary(records, fmt[0], unread)
     return records, warnings
+
+
+def _summary(records, fmt, unread):
+    used = np.unique(np.concatenate([np.frombuffer(records.pos_ids, dtype=np.int32),
+                                     np.frombuffer(records.neg_ids, dtype=np.int32)]))
+    parts = [f"{fmt} format", f"{len(records):,} records", f"{len(used):,} distinct passages"]
+    if records.pos_scores is not None:
+        parts.append("teacher scores kept")
+    if records.prompt_ids is not None:
+        n = sum(1 for p in records.prompt_ids if p >= 0)
+        parts.append(f"{n:,} prompts prepended to their queries")
+    if unread:
+        parts.append("fields not read: " + ", ".join(f"{k} ({n:,})" for k, n in unread.most_common(6)))
+    return f"{records.path}: " + "; ".join(parts)
 
 
 def group_rng(seed, epoch, index):
@@ -188,21 +148,50 @@ def group_rng(seed, epoch, index):
     return random.Random(f"{seed}-{epoch}-{index}")
 
 
+def sample_indices(record, n_passages, rng):
+    """The draws of one group: (positive index, negative indices into record.neg, filled passage ids).
+    The RNG calls are those of drawing from the lists themselves (choice, then sample, or choices
+    with replacement when the pool is too small), so every data layout draws the same groups."""
+    p = rng.choice(range(len(record.pos)))
+    need, n_neg = n_passages - 1, len(record.neg)
+    if need == 0:
+        return p, [], []
+    if n_neg >= need:
+        return p, rng.sample(range(n_neg), need), []
+    pool = getattr(record, "fill_pool", 0)
+    if not pool:
+        return p, rng.choices(range(n_neg), k=need), []  # pool too small: with replacement (warned at load)
+    own = set(record.pos_ids) | set(record.neg_ids)  # --fill-negatives random: never the record's own
+    negs, extra = rng.sample(range(n_neg), n_neg), []
+    while len(extra) < need - n_neg:
+        j = rng.randrange(pool)
+        if j not in own:
+            own.add(j)
+            extra.append(j)
+    return p, negs, extra
+
+
 def sample_group(record, n_passages, rng):
     """Return [positive, negative_1, ..., negative_{n_passages-1}] for one record."""
-    pos = rng.choice(record.pos)
-    need = n_passages - 1
-    if need == 0:
-        return [pos]
-    if len(record.neg) >= need:
-        negs = rng.sample(record.neg, need)
-    else:
-        negs = rng.choices(record.neg, k=need)  # pool too small: with replacement (warned at load)
-    return [pos] + negs
+    return sample_group_scored(record, n_passages, rng)[0]
+
+
+def sample_group_scored(record, n_passages, rng):
+    """(texts, scores): the group and the teacher score of each passage (NaN for one without, e.g. a
+    filled negative), or None when the records have no scores."""
+    p, negs, extra = sample_indices(record, n_passages, rng)
+    texts = [record.pos[p]] + [record.neg[j] for j in negs] + [record.passage(j) for j in extra]
+    pos_scores, neg_scores = getattr(record, "pos_scores", None), getattr(record, "neg_scores", None)
+    if pos_scores is None:
+        return texts, None
+    return texts, [pos_scores[p]] + [neg_scores[j] for j in negs] + [float("nan")] * len(extra)
 
 
 def fixed_group(record, n_passages):
-    """Deterministic group for validation: first positive, first negatives (cycled if too few)."""
+    """Deterministic group for validation: first positive, first negatives (cycled if too few; with
+    --fill-negatives random, a record short of them gets a fixed draw of its own)."""
+    if len(record.neg) < n_passages - 1 and getattr(record, "fill_pool", 0):
+        return sample_group(record, n_passages, random.Random(f"fixed-{record.where}"))
     negs = [record.neg[i % len(record.neg)] for i in range(n_passages - 1)] if record.neg else []
     return [record.pos[0]] + negs
 
@@ -247,20 +236,28 @@ class StepBatches(torch.utils.data.Dataset):
         return self.collate([self.records[j].query for j in idx], groups)
 
 
-def read_train_val(train_file, n_passages, val_file, val_n_passages, val_max_groups, batch_size, world_size):
-    """Read and validate the training and validation files, before any model is loaded:
-    (records, val_records); warnings printed on rank 0. Fewer records than one global batch is an error."""
+def read_train_val(args, world_size):
+    """Read and validate the training and validation files (and --corpus) named by the data flags
+    (add_data_args), before any model is loaded: (records, val_records); what was read and any
+    warnings printed on rank 0. Fewer records than one global batch is an error."""
     from .dist import print0
 
-    records, warnings = read_records(train_file, n_passages)
-    val_records = read_records(val_file, val_n_passages)[0] if val_file else []
-    if val_max_groups:
-        val_records = val_records[:val_max_groups]
-    if steps_per_epoch(len(records), batch_size, world_size) == 0:
-        raise SystemExit(f"{train_file}: {len(records)} records are fewer than one global batch "
-                         f"({batch_size} x {world_size} ranks)")
+    corpus = read_corpus(args.corpus) if args.corpus else None
+    if corpus is not None:
+        print0(f"corpus: {args.corpus}: {len(corpus):,} documents")
+    records, warnings = read_records(args.train_file, args.n_passages, corpus, args.fill_negatives)
+    print0(f"train: {records.summary}")
+    val_records = []
+    if args.val_file:
+        val_records, val_warnings = read_records(args.val_file, args.val_n_passages, corpus, args.fill_negatives)
+        print0(f"val: {val_records.summary}")
+        warnings += val_warnings
+        val_records = val_records[:args.val_max_groups or len(val_records)]
+    if steps_per_epoch(len(records), args.batch_size, world_size) == 0:
+        raise SystemExit(f"{args.train_file}: {len(records)} records are fewer than one global batch "
+                         f"({args.batch_size} x {world_size} ranks)")
     for w in warnings:
-        print0(f"warning: {train_file}: {w}")
+        print0(f"warning: {w}")
     return records, val_records
 
 
@@ -272,7 +269,16 @@ def add_data_args(parser, data_dir, n_passages, batch_size, unit="passages"):
     import os
 
     g = parser.add_argument_group("data")
-    g.add_argument("--train-file", default=os.path.join(data_dir, "train.jsonl"), help="training JSONL")
+    g.add_argument("--train-file", default=os.path.join(data_dir, "train.jsonl"),
+                   help="training JSONL, plain or .gz: NeMo inline, FlagEmbedding, sentence-transformers columns or "
+                        "Tevatron, told from its first record")
+    g.add_argument("--corpus", default=None,
+                   help="BEIR corpus.jsonl (plain or .gz) that docs given by id refer to (NeMo strings or {\"id\"}, "
+                        "Tevatron passages without text); each passage text is then stored once")
+    g.add_argument("--fill-negatives", choices=["random"], default=None,
+                   help="records with fewer negatives than --n-passages needs: draw the rest from random passages "
+                        "(never the record's own; the same draws on resume). Default: an error for records without "
+                        "any, sampling with replacement for records with too few")
     g.add_argument("--val-file", default=os.path.join(data_dir, "val.jsonl"),
                    help="held-out JSONL for validation ('' to skip)")
     g.add_argument("--val-max-groups", type=int, default=0, help="validate on the first N groups (0 = all)")

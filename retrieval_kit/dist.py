@@ -85,8 +85,7 @@ def release_at_exit():
     cleanup()
     if "torch.distributed.tensor" in sys.modules:  # DTensor's caches, keyed by the mesh
         for obj in gc.get_objects():
-            if isinstance(obj, functools._lru_cache_wrapper) and \
-                    getattr(obj, "__module__", "").startswith("torch.distributed"):
+            if type(obj) is functools._lru_cache_wrapper and (obj.__module__ or "").startswith("torch.distributed"):
                 obj.cache_clear()
         if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # its C++ fast path
             torch._C._clear_DTensor_sharding_propagator_cache()

@@ -20,7 +20,8 @@ import torch
 from transformers import AutoTokenizer
 
 from . import dist
-from .data import DataError, jsonl_lines, shard, text_lines
+from .data import shard
+from .formats import read_corpus, read_qrels, read_queries
 from .encode import encode_sharded, score_groups
 from .export import load_exported_reranker
 from .metrics import rank_docs, retrieval_metrics
@@ -41,24 +42,6 @@ def add_biencoder_setting_args(ap):
     ap.add_argument("--passage-max-length", type=int, default=None, help="override the model dir's passage max length")
 
 
-def _read_jsonl(path, required):
-    rows, problems = [], []
-    for where, line in jsonl_lines(path, problems):
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            problems.append(f"{where}: invalid JSON ({e.msg})")
-            continue
-        missing = [k for k in required if not isinstance(obj, dict) or k not in obj]
-        if missing:
-            problems.append(f"{where}: missing field {missing[0]!r}")
-            continue
-        rows.append(obj)
-    if problems:
-        raise DataError(f"{len(problems)} problem(s) in {path}:\n" + "\n".join(problems[:50]))
-    return rows
-
-
 def _beir_file(path):
     """path, or path.gz when only the compressed file is there."""
     return path + ".gz" if not os.path.exists(path) and os.path.exists(path + ".gz") else path
@@ -66,25 +49,12 @@ def _beir_file(path):
 
 def load_beir(beir_dir, split="test"):
     """(corpus_ids, corpus_texts, queries {qid: text}, qrels {qid: {doc id: rel}}) of a BEIR folder
-    (each file plain or .gz). A doc's text is its title and text joined by a space, as BEIR's dense
-    baselines do."""
-    corpus = _read_jsonl(_beir_file(os.path.join(beir_dir, "corpus.jsonl")), ("_id", "text"))
-    ids = [str(d["_id"]) for d in corpus]
-    texts = [(str(d.get("title") or "") + " " + str(d["text"])).strip() for d in corpus]
-    queries = {str(q["_id"]): str(q["text"])
-               for q in _read_jsonl(_beir_file(os.path.join(beir_dir, "queries.jsonl")), ("_id", "text"))}
-    qrels, path, problems = {}, _beir_file(os.path.join(beir_dir, "qrels", f"{split}.tsv")), []
-    for lineno, line in text_lines(path, problems):
-        parts = line.rstrip("\r\n").split("\t")
-        if lineno == 1 and parts[0] == "query-id":
-            continue
-        if len(parts) != 3 or not parts[2].lstrip("-").isdigit():
-            raise DataError(f"{path}:{lineno}: expected 'query-id<TAB>corpus-id<TAB>integer score'")
-        if parts[0] not in queries:
-            raise DataError(f"{path}:{lineno}: query-id {parts[0]!r} is not in queries.jsonl")
-        qrels.setdefault(parts[0], {})[parts[1]] = int(parts[2])
-    if problems:
-        raise DataError(f"{len(problems)} problem(s) in {path}:\n" + "\n".join(problems[:50]))
+    (each file plain or .gz), validated (formats.read_corpus / read_queries / read_qrels). A doc's
+    text is its title and text joined by a space, as BEIR's dense baselines do."""
+    corpus = read_corpus(_beir_file(os.path.join(beir_dir, "corpus.jsonl")))
+    ids, texts = [corpus.ids[i] for i in range(len(corpus))], [corpus.texts[i] for i in range(len(corpus))]
+    queries = read_queries(_beir_file(os.path.join(beir_dir, "queries.jsonl")))
+    qrels = read_qrels(_beir_file(os.path.join(beir_dir, "qrels", f"{split}.tsv")), queries)
     return ids, texts, queries, qrels
 
 

@@ -57,7 +57,8 @@ def main(argv=None):
     from . import dist
     from .data import read_records
     from .encode import encode_sharded
-    from .evaluate import _read_jsonl, add_biencoder_setting_args, biencoder_settings
+    from .evaluate import add_biencoder_setting_args, biencoder_settings
+    from .formats import read_corpus
     from .models import default_model_dir, load_encoder
 
     ap = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,8 +78,9 @@ def main(argv=None):
 
     ctx = dist.init()
     records, _ = read_records(args.input)
-    texts = [str((d.get("title") or "") + " " + d["text"]).strip() for d in _read_jsonl(args.corpus, ("_id", "text"))] \
-        if args.corpus else []
+    dist.print0(records.summary)
+    corpus = read_corpus(args.corpus) if args.corpus else None
+    texts = [corpus.texts[i] for i in range(len(corpus))] if corpus else []
     index = {t: i for i, t in enumerate(texts)}
     for r in records:  # positives join the candidate pool, so they can be recognised and skipped
         for p in r.pos:
@@ -100,7 +102,7 @@ def main(argv=None):
         kept = [(r, n) for r, n in zip(records, negs) if n]  # a query with no negative left teaches nothing
         with open(args.out, "w", encoding="utf-8") as f:
             for r, n in kept:
-                f.write(json.dumps({"query": r.query, "pos_doc": r.pos, "neg_doc": [texts[j] for j in n]},
+                f.write(json.dumps({"query": r.query, "pos_doc": list(r.pos), "neg_doc": [texts[j] for j in n]},
                                    ensure_ascii=False) + "\n")
         short = sum(len(n) < args.k for _, n in kept)
         print(f"wrote {len(kept)} records to {args.out} ({short} with fewer than {args.k} negatives; "

@@ -43,7 +43,7 @@ def test_every_bad_line_reported_with_file_and_line(tmp_path):
         data.read_records(path)
     msg = str(e.value)
     expected = {2: "invalid JSON", 3: "expected a JSON object", 4: "missing field 'query'",
-                5: "must be a non-empty string", 6: "at least one positive", 7: "pos_doc[0] must be a string",
+                5: "is empty or only spaces", 6: "at least one positive", 7: "pos_doc[0] must be a string",
                 8: "both 'query' and 'question'", 9: "neg_doc[0] is an object without", 10: "missing field 'pos_doc'"}
     for line, text in expected.items():
         hits = [m for m in msg.splitlines() if m.startswith(f"{path}:{line}: ")]
@@ -64,7 +64,8 @@ def test_negatives_needed_for_groups(tmp_path):
         json.dumps({"query": "q", "pos_doc": ["p"], "neg_doc": ["n"]}),
         json.dumps({"query": "q", "pos_doc": ["p"]}),
     ])
-    with pytest.raises(data.DataError, match=rf"{path}:2: no negatives, but --n-passages 3"):
+    with pytest.raises(data.DataError, match=rf"1 of 2 record\(s\) have no negatives, but --n-passages 3 needs 2 "
+                                             rf"per group \(first: {path}:2\); pass --fill-negatives random"):
         data.read_records(path, n_passages=3)
     recs, warnings = data.read_records(write(tmp_path, [json.dumps({"query": "q", "pos_doc": ["p"], "neg_doc": ["n"]})],
                                              "ok.jsonl"), n_passages=3)

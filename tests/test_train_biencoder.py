@@ -71,7 +71,7 @@ def test_bad_data_is_reported_before_training(tiny_model_dir, tmp_path):
                           "--train-file", str(bad), "--output-dir", str(tmp_path / "r")],
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
-    assert f"{bad}:2: field 'query' must be a non-empty string" in out.stderr
+    assert f"{bad}:2: field 'query' must be a string, got a number" in out.stderr
     assert not (tmp_path / "r").exists()
 
 

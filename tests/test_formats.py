@@ -1,0 +1,363 @@
+"""The field's training formats, docs by corpus id, --fill-negatives, and the validators (formats.py,
+textstore.py, data.read_records), each against the bundled data written out by hand in that format."""
+
+import gzip
+import json
+import os
+import random
+
+import pytest
+
+from retrieval_kit import data, formats
+from tests.conftest import ROOT
+
+
+def bundled(n=12):
+    with open(os.path.join(ROOT, "data", "train.jsonl")) as f:
+        return [json.loads(next(f)) for _ in range(n)]
+
+
+def write_jsonl(path, objs, packed=False):
+    blob = "".join(json.dumps(o) + "\n" for o in objs).encode()
+    path.write_bytes(gzip.compress(blob) if packed else blob)
+    return str(path)
+
+
+def as_tuples(records):
+    return [(r.query, list(r.pos), list(r.neg)) for r in records]
+
+
+def nemo_text(recs):
+    return [{"query": r["query"], "pos_doc": [d["text"] for d in r["pos_doc"]],
+             "neg_doc": [d["text"] for d in r["neg_doc"]]} for r in recs]
+
+
+def formats_of(recs):
+    """The same records in each format: {case: (records, needs the corpus)}; FORMAT_OF says which
+    format read_records must tell for each case."""
+    docs = lambda r, k: [d["text"] for d in r[k]]  # noqa: E731
+    ids = lambda r, k: [d["id"] for d in r[k]]  # noqa: E731
+    return {
+        "NeMo inline": ([{"query": r["query"], "pos_doc": docs(r, "pos_doc"), "neg_doc": docs(r, "neg_doc")}
+                         for r in recs], False),
+        "NeMo objects": (recs, False),
+        "FlagEmbedding": ([{"query": r["query"], "pos": docs(r, "pos_doc"), "neg": docs(r, "neg_doc")} for r in recs],
+                          False),
+        "sentence-transformers columns": (
+            [{"anchor": r["query"], "positive": docs(r, "pos_doc")[0],
+              **{f"negative_{i + 1}": t for i, t in enumerate(docs(r, "neg_doc"))}} for r in recs], False),
+        "Tevatron": ([{"query_id": str(i), "query": r["query"],
+                       "positive_passages": [{"docid": d["id"], "title": "", "text": d["text"]} for d in r["pos_doc"]],
+                       "negative_passages": [{"docid": d["id"], "title": "", "text": d["text"]} for d in r["neg_doc"]]}
+                      for i, r in enumerate(recs)], False),
+        "NeMo ids": ([{"query": r["query"], "pos_doc": ids(r, "pos_doc"), "neg_doc": ids(r, "neg_doc")} for r in recs],
+                     True),
+        "NeMo id objects": ([{"query": r["query"], "pos_doc": [{"id": i} for i in ids(r, "pos_doc")],
+                              "neg_doc": [{"id": i} for i in ids(r, "neg_doc")]} for r in recs], True),
+        "Tevatron docids": ([{"query": r["query"], "positive_passages": [{"docid": i} for i in ids(r, "pos_doc")],
+                              "negative_passages": [{"docid": i} for i in ids(r, "neg_doc")]} for r in recs], True),
+    }
+
+
+FORMAT_OF = {"NeMo inline": "NeMo inline", "NeMo objects": "NeMo inline", "FlagEmbedding": "FlagEmbedding",
+             "sentence-transformers columns": "sentence-transformers columns", "Tevatron": "Tevatron",
+             "NeMo ids": "NeMo inline", "NeMo id objects": "NeMo inline", "Tevatron docids": "Tevatron"}
+
+
+def write_corpus(path, recs, packed=False):
+    seen = {}
+    for r in recs:
+        for d in r["pos_doc"] + r["neg_doc"]:
+            seen.setdefault(d["id"], d["text"])
+    return write_jsonl(path, [{"_id": i, "title": "", "text": t} for i, t in seen.items()], packed), len(seen)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "gzip"])
+def test_every_format_reads_the_same_records(tmp_path, packed):
+    recs = bundled()
+    want = as_tuples(data.read_records(write_jsonl(tmp_path / "ref.jsonl", nemo_text(recs)), 4)[0])
+    assert len(want) == 12 and all(len(neg) == 3 for _, _, neg in want)
+    corpus_path, n_docs = write_corpus(tmp_path / "corpus.jsonl", recs, packed)
+    corpus = formats.read_corpus(corpus_path)
+    assert len(corpus) == n_docs
+    for name, (objs, by_id) in formats_of(recs).items():
+        path = write_jsonl(tmp_path / f"{name.replace(' ', '_')}.jsonl{'.gz' if packed else ''}", objs, packed)
+        got, warnings = data.read_records(path, 4, formats.read_corpus(corpus_path) if by_id else None)
+        assert as_tuples(got) == want, name
+        assert warnings == []
+        assert f"{FORMAT_OF[name]} format" in got.summary, (name, got.summary)
+        if by_id:
+            assert len(got.passages) == n_docs  # the corpus's texts, each once, are the passage store
+
+
+def test_each_passage_text_is_stored_once(tmp_path):
+    recs = bundled(40)
+    objs = nemo_text(recs) * 3  # every passage three times over
+    got = data.read_records(write_jsonl(tmp_path / "t.jsonl", objs), 2)[0]
+    distinct = {t for o in objs for t in o["pos_doc"] + o["neg_doc"]}
+    assert len(got) == 120 and len(got.passages) == len(distinct)
+    assert as_tuples(got[80:]) == as_tuples(got[:40])
+
+
+def test_unread_fields_are_named_in_the_summary(tmp_path):
+    objs = [dict(o, type="normal", pos_id=[1]) for o in nemo_text(bundled(3))]
+    got = data.read_records(write_jsonl(tmp_path / "t.jsonl", objs))[0]
+    assert "fields not read: type (3), pos_id (3)" in got.summary
+
+
+def test_flagembedding_scores_travel_with_the_sampled_passages_and_prompts_are_prepended(tmp_path):
+    rng = random.Random(0)
+    objs = []
+    for r in nemo_text(bundled(8)):
+        objs.append({"query": r["query"], "pos": r["pos_doc"], "neg": r["neg_doc"], "prompt": "Find the package: ",
+                     "pos_scores": [rng.random() for _ in r["pos_doc"]], "neg_scores": [rng.random() for _ in r["neg_doc"]]})
+    records = data.read_records(write_jsonl(tmp_path / "flag.jsonl", objs), 3)[0]
+    assert "teacher scores kept" in records.summary and "8 prompts prepended" in records.summary
+    for i, (r, o) in enumerate(zip(records, objs)):
+        assert r.query == "Find the package: " + o["query"]
+        score_of = dict(zip(o["pos"] + o["neg"], o["pos_scores"] + o["neg_scores"]))
+        for epoch in range(3):
+            texts, scores = data.sample_group_scored(r, 3, data.group_rng(5, epoch, i))
+            assert texts == data.sample_group(r, 3, data.group_rng(5, epoch, i))
+            assert scores == pytest.approx([score_of[t] for t in texts], abs=1e-6)  # float32 storage
+
+
+def test_docs_missing_from_the_corpus_are_named(tmp_path):
+    recs = bundled(3)
+    corpus_path, _ = write_corpus(tmp_path / "corpus.jsonl", recs)
+    objs = formats_of(recs)["NeMo ids"][0]
+    objs[1]["neg_doc"][2] = "no-such-doc"
+    path = write_jsonl(tmp_path / "t.jsonl", objs)
+    with pytest.raises(data.DataError, match=rf"{path}:2: doc id 'no-such-doc' is not in {corpus_path}"):
+        data.read_records(path, 2, formats.read_corpus(corpus_path))
+    objs[1]["neg_doc"][2] = {"id": "x"}
+    with pytest.raises(data.DataError, match=r"neg_doc\[2\] is an object without 'text' \(a doc given by id needs "):
+        data.read_records(write_jsonl(tmp_path / "u.jsonl", objs), 2)
+
+
+def test_records_without_negatives_fail_by_default_and_fill_with_the_flag(tmp_path):
+    objs = [{"query": f"query {i}", "pos_doc": [f"positive {i}"], "neg_doc": [] if i % 2 else [f"negative {i}"]}
+            for i in range(6)]
+    path = write_jsonl(tmp_path / "t.jsonl", objs)
+    with pytest.raises(data.DataError, match=r"3 of 6 record\(s\) have no negatives, but --n-passages 4 needs 3 .*"
+                                             r"--fill-negatives random"):
+        data.read_records(path, 4)
+    records, warnings = data.read_records(path, 4, fill="random")
+    assert "6 record(s) have fewer than 3 negatives" in warnings[0]
+    for i, r in enumerate(records):
+        for epoch in range(30):
+            group = data.sample_group(r, 4, data.group_rng(1, epoch, i))
+            assert group[0] == f"positive {i}" and len(set(group)) == 4  # no repeats, never its own positive
+            if i % 2 == 0:
+                assert group[1] == f"negative {i}"  # its own negative first, the rest drawn
+            assert group == data.sample_group(r, 4, data.group_rng(1, epoch, i))  # deterministic: exact resume
+        assert len({tuple(data.sample_group(r, 4, data.group_rng(1, e, i))) for e in range(30)}) > 1
+        fixed = data.fixed_group(r, 4)
+        assert fixed == data.fixed_group(r, 4) and fixed[0] == f"positive {i}" and len(set(fixed)) == 4
+    too_few = write_jsonl(tmp_path / "small.jsonl", objs[:1])
+    with pytest.raises(data.DataError, match="--fill-negatives random needs at least 3 passages"):
+        data.read_records(too_few, 4, fill="random")
+
+
+@pytest.mark.parametrize("line, problem", [
+    ({"query": "q", "pos_doc": None}, "field 'pos_doc' is null; a record needs at least one positive"),
+    ({"query": "q", "pos_doc": ["p"], "neg_doc": None}, "field 'neg_doc' is null; use [] for none"),
+    ({"query": "\udc80", "pos_doc": ["p"]}, "field 'query' has an unpaired surrogate \\udc80"),
+    ({"query": "q", "pos_doc": ["ok \ud800"]}, "pos_doc[0] has an unpaired surrogate \\ud800"),
+    ({"query": "\x00", "pos_doc": ["p"]}, "field 'query' is empty or only spaces and control characters"),
+    ({"query": "\u200b\u200b \ufeff", "pos_doc": ["p"]}, "field 'query' is empty or only spaces"),
+    ({"query": 7, "pos_doc": ["p"]}, "field 'query' must be a string, got a number"),
+    ({"query": "q", "pos_doc": [{"text": None}]}, "pos_doc[0].text must be a string, got null"),
+    ({"query": "q", "pos": ["p"], "pos_scores": [1.0, 2.0]}, "field 'pos_scores' has 2 scores for 1 docs"),
+    ({"query": "q", "pos": ["p"], "pos_scores": ["high"]}, "field 'pos_scores' must be a list of finite numbers"),
+    ({"query": "q", "pos": ["p"], "prompt": 3}, "field 'prompt' must be a string"),
+    ({"anchor": "q", "positive": None}, "field 'positive' must be a string, got null"),
+    ({"anchor": "q", "positive": "p", "negative_1": "a", "negative_3": "b"}, "without gaps"),
+    ({"query": "q", "positive_passages": [{"docid": "1", "title": "t", "text": None}]},
+     "positive_passages[0].text must be a string, got null"),
+    ({"query": "q", "positive_passages": []}, "field 'positive_passages' must be a list of passages with at least one"),
+])
+def test_validation_holes_are_closed(tmp_path, line, problem):
+    path = write_jsonl(tmp_path / "t.jsonl", [line])
+    with pytest.raises(data.DataError) as e:
+        data.read_records(path)
+    assert f"{path}:1: " in str(e.value) and problem in str(e.value), str(e.value)
+
+
+def beir_dir(tmp_path, corpus, queries, qrels):
+    (tmp_path / "qrels").mkdir(exist_ok=True)
+    write_jsonl(tmp_path / "corpus.jsonl", corpus)
+    write_jsonl(tmp_path / "queries.jsonl", queries)
+    (tmp_path / "qrels" / "test.tsv").write_text(qrels)
+    return str(tmp_path)
+
+
+GOOD_CORPUS = [{"_id": "d1", "title": "", "text": "one"}, {"_id": "d2", "title": "Two", "text": "two"}]
+GOOD_QUERIES = [{"_id": "q1", "text": "first"}]
+GOOD_QRELS = "query-id\tcorpus-id\tscore\nq1\td1\t1\n"
+
+
+@pytest.mark.parametrize("part, value, problem", [
+    ("corpus", [{"_id": "d1", "text": None}], "corpus.jsonl:1: field 'text' must be a string, got null"),
+    ("corpus", [{"_id": "d1", "text": 5}], "corpus.jsonl:1: field 'text' must be a string, got a number"),
+    ("corpus", [{"_id": None, "text": "a"}], "corpus.jsonl:1: field '_id' must be a string, got null"),
+    ("corpus", GOOD_CORPUS + [{"_id": "d1", "text": "again"}], "corpus.jsonl:3: duplicate _id 'd1' (first at line 1)"),
+    ("corpus", [], "corpus.jsonl: no documents (the file is empty)"),
+    ("corpus", [{"_id": "d1", "title": "", "text": " "}], "corpus.jsonl:1: the document's title and text is an empty string"),
+    ("queries", GOOD_QUERIES * 2, "queries.jsonl:2: duplicate _id 'q1' (first at line 1)"),
+    ("queries", [{"_id": "q1", "text": None}], "queries.jsonl:1: field 'text' must be a string, got null"),
+    ("qrels", "", "test.tsv: no judgments (the file is empty or only a header)"),
+    ("qrels", "query-id\tcorpus-id\tscore\n", "test.tsv: no judgments"),
+    ("qrels", "q1\td1\thigh\n", "test.tsv:1: expected 'query-id<TAB>corpus-id<TAB>integer score'"),
+])
+def test_beir_folders_are_validated(tmp_path, part, value, problem):
+    from retrieval_kit.evaluate import load_beir
+
+    parts = {"corpus": GOOD_CORPUS, "queries": GOOD_QUERIES, "qrels": GOOD_QRELS, part: value}
+    folder = beir_dir(tmp_path, parts["corpus"], parts["queries"], parts["qrels"])
+    with pytest.raises(data.DataError) as e:
+        load_beir(folder)
+    assert problem in str(e.value), str(e.value)
+
+
+def test_a_good_beir_folder_reads(tmp_path):
+    from retrieval_kit.evaluate import load_beir
+
+    ids, texts, queries, qrels = load_beir(beir_dir(tmp_path, GOOD_CORPUS, GOOD_QUERIES, GOOD_QRELS))
+    assert ids == ["d1", "d2"] and texts == ["one", "Two two"] and queries == {"q1": "first"}
+    assert qrels == {"q1": {"d1": 1}}
+
+
+# ----- fuzz ------------------------------------------------------------------------------------------
+
+BAD_VALUES = [None, 3, 2.5, True, [], {}, "", "   ", "\x00", "\x01\x02", "\u200b\u200b", "\ufeff", "\udc80", "a\ud800b"]
+
+
+def _set(obj, path, value):
+    *head, last = path
+    for k in head:
+        obj = obj[k]
+    obj[last] = value
+
+
+def _text_paths(obj):
+    paths = [("query",)]
+    for k in ("pos_doc", "neg_doc"):
+        paths += [(k, i, "text") for i in range(len(obj[k]))]
+    return paths
+
+
+def mutations(rng, lines):
+    """(description, file bytes, bad line number or None for a file that must load)."""
+    objs = [json.loads(l) for l in lines]
+    blob = lambda os_: "".join(json.dumps(o) + "\n" for o in os_).encode()  # noqa: E731
+    k = rng.randrange(len(objs))
+    op = rng.randrange(14)
+    o = json.loads(lines[k])
+    if op == 0:  # a bad value where a text goes
+        p, v = rng.choice(_text_paths(o)), rng.choice(BAD_VALUES)
+        _set(o, p, v)
+        return f"{p}={v!r}", blob(objs[:k] + [o] + objs[k + 1:]), k + 1
+    if op == 1:  # a bad value where a list goes
+        f, v = rng.choice(["pos_doc", "neg_doc"]), rng.choice([None, 3, "", {}, True, [None], [5], [{"id": None}]])
+        o[f] = v
+        return f"{f}={v!r}", blob(objs[:k] + [o] + objs[k + 1:]), k + 1
+    if op == 2:  # a missing field
+        f = rng.choice(["query", "pos_doc"])
+        del o[f]
+        return f"no {f}", blob(objs[:k] + [o] + objs[k + 1:]), k + 1
+    if op == 3:  # truncated JSON
+        raw = json.dumps(o).encode()
+        cut = rng.randrange(1, len(raw) - 1)
+        return f"cut at {cut}", blob(objs[:k]) + raw[:cut] + b"\n" + blob(objs[k + 1:]), k + 1
+    if op == 4:  # bytes that are not UTF-8
+        raw = json.dumps(o, ensure_ascii=False).encode()
+        at = rng.randrange(len(raw))
+        bad = rng.choice([b"\xff", b"\xe9", b"\xc3", b"\x80\x80", b"\xfe\xff"])
+        return f"byte {bad!r} at {at}", blob(objs[:k]) + raw[:at] + bad + raw[at:] + b"\n" + blob(objs[k + 1:]), k + 1
+    if op == 5:  # not an object
+        v = rng.choice([[1, 2], "text", 5, None, True])
+        return f"line {v!r}", blob(objs[:k]) + json.dumps(v).encode() + b"\n" + blob(objs[k + 1:]), k + 1
+    if op == 6:  # an alias clash
+        o["question"] = o["query"]
+        return "query and question", blob(objs[:k] + [o] + objs[k + 1:]), k + 1
+    if op == 7:  # nested too deeply for the JSON parser
+        return "deep", blob(objs[:k]) + b"[" * 100_000 + b"]" * 100_000 + b"\n" + blob(objs[k + 1:]), k + 1
+    if op == 8:  # a bad score list
+        o = {"query": o["query"], "pos": [d["text"] for d in o["pos_doc"]], "neg": [d["text"] for d in o["neg_doc"]],
+             "neg_scores": rng.choice([[1.0], ["x", 1, 2], [float("nan")] * 3, 5, [True] * 3])}
+        return f"neg_scores={o['neg_scores']!r}", blob(objs[:k] + [o] + objs[k + 1:]), k + 1
+    # files that must load
+    if op == 9:
+        return "BOM + CRLF", b"\xef\xbb\xbf" + blob(objs).replace(b"\n", b"\r\n"), None
+    if op == 10:
+        return "gzip", gzip.compress(blob(objs)), None
+    if op == 11:  # a huge passage, control characters inside a visible text, other scripts
+        p = rng.choice(_text_paths(o))
+        _set(o, p, rng.choice(["x" * 200_000, "ab\x00c\x07d", "漢字かな 😀", "  padded  ", "tab\tinside"]))
+        return f"{p} unusual but valid", blob(objs[:k] + [o] + objs[k + 1:]), None
+    if op == 12:  # unknown fields and blank lines
+        o["extra"] = {"nested": [1, 2]}
+        return "extra field, blank lines", b"\n" + blob(objs[:k] + [o] + objs[k + 1:]) + b"\n  \n", None
+    return "unchanged", blob(objs), None
+
+
+def test_fuzz_mutated_files_load_or_name_their_line(tmp_path, tokenizer):
+    from retrieval_kit.collate import collate_biencoder
+
+    with open(os.path.join(ROOT, "data", "train.jsonl")) as f:
+        pool = [l for _, l in zip(range(300), f)]
+    rng = random.Random(2026)
+    counts = {"raised": 0, "loaded": 0}
+    for n in range(1100):
+        lines = rng.sample(pool, 3)
+        what, blob, bad_line = mutations(rng, lines)
+        path = tmp_path / f"m{n}.jsonl"
+        path.write_bytes(blob)
+        try:
+            records = data.read_records(str(path), 2)[0]
+        except data.DataError as e:
+            counts["raised"] += 1
+            assert bad_line is not None, f"{what}: a valid file was refused:\n{e}"
+            assert f"{path}:{bad_line}: " in str(e) or f"{path}: " in str(e), f"{what}: {e}"
+            continue
+        except Exception as e:  # noqa: BLE001 - the point: nothing but a DataError
+            raise AssertionError(f"mutation {n} ({what}) raised {type(e).__name__}: {e}") from None
+        counts["loaded"] += 1
+        assert bad_line is None, f"mutation {n} ({what}) was accepted silently"
+        queries = [r.query for r in records]
+        groups = [data.sample_group(r, 2, data.group_rng(0, 0, i)) for i, r in enumerate(records)]
+        q, p = collate_biencoder(tokenizer, queries, groups, 32, 48)
+        assert q["input_ids"].shape[0] == len(records) and p["input_ids"].shape[0] == 2 * len(records)
+    assert counts["raised"] > 500 and counts["loaded"] > 200, counts
+
+
+def test_fuzz_mutated_corpora_load_or_name_their_line(tmp_path):
+    rng = random.Random(7)
+    docs = [{"_id": f"d{i}", "title": rng.choice(["", "Title"]), "text": f"passage number {i}"} for i in range(5)]
+    raised = 0
+    for n in range(200):
+        objs = [dict(d) for d in docs]
+        k = rng.randrange(len(objs))
+        field, value = rng.choice([("_id", v) for v in BAD_VALUES + ["d0", "d1"]] + [("text", v) for v in BAD_VALUES]
+                                  + [("title", v) for v in (3, [], {}, None, "")])
+        objs[k][field] = value
+        if field == "_id":  # every bad value, and an id another document has
+            bad = value != f"d{k}"
+        elif field == "title":
+            bad = value is not None and not isinstance(value, str)
+        else:  # a text may be blank when the title is not; never a non-string or invalid Unicode
+            bad = not isinstance(value, str) or "\ud800" in value or "\udc80" in value or \
+                (not objs[k]["title"] and formats.text_problem(value) is not None)
+        path = write_jsonl(tmp_path / f"c{n}.jsonl", objs)
+        try:
+            corpus = formats.read_corpus(path)
+        except data.DataError as e:
+            raised += 1
+            assert bad and (f"{path}:{k + 1}: " in str(e) or f"(first at line {k + 1})" in str(e)), (field, value, str(e))
+            continue
+        except Exception as e:  # noqa: BLE001
+            raise AssertionError(f"{field}={value!r} raised {type(e).__name__}: {e}") from None
+        assert not bad, (field, value)
+        assert len(corpus) == 5 and all(formats.text_problem(corpus.texts[i]) is None for i in range(5))
+    assert raised > 100
