@@ -16,7 +16,7 @@ import os
 import torch
 from transformers import AutoTokenizer
 
-from retrieval_kit import ckpt, data, dist, evaluate, log, loop, optim, precision
+from retrieval_kit import ckpt, data, dist, evaluate, flags, log, loop, optim, precision
 from retrieval_kit.collate import biencoder_inputs
 from retrieval_kit.export import export_model
 from retrieval_kit.losses import contrastive_loss, contrastive_scores
@@ -31,9 +31,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = data.add_data_args(p, os.path.join(HERE, "data"), n_passages=2, batch_size=16)
     # these six default to what the model dir declares (its sentence-transformers files), else the kit's defaults
-    g.add_argument("--query-max-length", type=int, default=None,
+    g.add_argument("--query-max-length", type=flags.positive_int, default=None,
                    help="tokens per query, truncated beyond (default: the model dir's max_seq_length, else 32)")
-    g.add_argument("--passage-max-length", type=int, default=None,
+    g.add_argument("--passage-max-length", type=flags.positive_int, default=None,
                    help="tokens per passage, truncated beyond (default: the model dir's max_seq_length, else 128)")
     g.add_argument("--query-prefix", default=None, help='prepended to each query, e.g. "query: " for E5 models '
                    "(default: the model dir's 'query' prompt, else none)")
@@ -41,7 +41,7 @@ def parse_args(argv=None):
                    "model dir's 'document' prompt, else none)")
 
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="HF model dir (default: the bundled all-MiniLM-L6-v2)")
+    g.add_argument("--model", type=flags.model_path, default=None, help="HF model dir (default: the bundled all-MiniLM-L6-v2)")
     g.add_argument("--pooling", choices=("avg", "cls", "last"), default=None,
                    help="how token states become one vector (default: the model dir's sentence-transformers pooling, else avg)")
     g.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
@@ -50,7 +50,7 @@ def parse_args(argv=None):
     g.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dir")
 
     g = p.add_argument_group("loss")
-    g.add_argument("--temperature", type=float, default=0.05,
+    g.add_argument("--temperature", type=flags.positive_float, default=0.05,
                    help="softmax temperature on similarities (default 0.05 = scale 20, the value MiniLM was trained with)")
     g.add_argument("--in-batch-negatives", action=argparse.BooleanOptionalAction, default=True,
                    help="score each query against every passage in the batch, not only its own group (default on)")
@@ -63,7 +63,7 @@ def parse_args(argv=None):
     g = loop.add_run_args(p, val_batch_size=32)
     g.add_argument("--eval-beir", default="", help="BEIR folder for full-corpus retrieval evaluation at each "
                    "validation (e.g. data/eval; default off: encoding a corpus is slow on CPU)")
-    g.add_argument("--eval-k", type=int, default=100, help="docs retrieved per query in --eval-beir (default 100)")
+    g.add_argument("--eval-k", type=flags.positive_int, default=100, help="docs retrieved per query in --eval-beir (default 100)")
     ckpt.add_ckpt_args(p, output_dir="runs/biencoder")
     return p.parse_args(argv)
 
@@ -111,7 +111,7 @@ def main():
     settings, read = resolve_biencoder_settings(model_dir, {k: getattr(args, k) for k in SETTING_KEYS})
     if read:  # what the model dir's sentence-transformers files set
         dist.print0(read)
-    resume_dir = ckpt.resolve_resume(args.resume, args.output_dir)
+    resume_dir = ckpt.start_run(args, ctx.world_size)  # one run per folder; a checkpoint that verifies
     if resume_dir:
         ckpt.restore_model(encoder, resume_dir, storage_dtype)
 

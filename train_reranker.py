@@ -19,7 +19,7 @@ import os
 import torch
 from transformers import AutoTokenizer
 
-from retrieval_kit import ckpt, data, dist, log, loop, optim, precision
+from retrieval_kit import ckpt, data, dist, flags, log, loop, optim, precision
 from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, pair_layout, rerank_inputs
 from retrieval_kit.export import export_reranker, kit_only_reasons
 from retrieval_kit.losses import RERANK_LOSSES, listwise_loss
@@ -37,14 +37,14 @@ def parse_args(argv=None):
                    help="how a pair becomes tokens: 'pair' = the tokenizer's own pair encoding ([CLS] q [SEP] p [SEP] "
                         "with token type ids), or a template holding {query} and {passage}; auto = 'pair' for "
                         f"encoders, {DEFAULT_TEMPLATE!r} for decoders (default auto)")
-    g.add_argument("--rerank-max-length", type=int, default=512,
+    g.add_argument("--rerank-max-length", type=flags.positive_int, default=512,
                    help="tokens per pair; the passage is truncated first, the query kept (default 512)")
     g.add_argument("--append-eos", action="store_true", help="append the EOS token to each pair (decoders, last-token pooling)")
     g.add_argument("--padding-side", choices=("auto", "left", "right"), default="auto",
                    help="pad side for pairs (auto = the tokenizer's own)")
 
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="HF model dir (default: the bundled all-MiniLM-L6-v2)")
+    g.add_argument("--model", type=flags.model_path, default=None, help="HF model dir (default: the bundled all-MiniLM-L6-v2)")
     g.add_argument("--pooling", choices=("native", "last", "avg", "cls"), default="native",
                    help="native = the model's own classification head (BERT: pooler -> classifier; decoders: last "
                         "non-pad token), what transformers and sentence-transformers run; last/avg/cls pool hidden "
@@ -56,7 +56,7 @@ def parse_args(argv=None):
     g.add_argument("--loss", choices=tuple(RERANK_LOSSES), default="listwise",
                    help="listwise = cross-entropy over each query's group, positive first; bce = pointwise binary "
                         "cross-entropy, positive 1 / negatives 0 (default listwise)")
-    g.add_argument("--head-lr-mult", type=float, default=1.0,
+    g.add_argument("--head-lr-mult", type=flags.positive_float, default=1.0,
                    help="learning rate of the head (classifier, and BERT's pooler) = --lr x this (default 1)")
     optim.add_optim_args(p, lr=2e-4, max_steps=60, warmup_steps=6)
     precision.add_precision_args(p)
@@ -97,8 +97,6 @@ def main():
 
     # ----- data: read and validate everything before any model is loaded -----------------------
     records, val_records = data.read_train_val(args, ctx.world_size)
-    if args.head_lr_mult <= 0:
-        raise SystemExit(f"--head-lr-mult must be positive, got {args.head_lr_mult}")
     loop.check_step_flags(args.grad_cache, args.static_graph)
 
     # ----- model in the storage dtype, how pairs become tokens; resume, part 1: weights -> cast ---
@@ -124,7 +122,7 @@ def main():
         dist.print0(f"warning: kit-only reranker: {reason}; score the export with retrieval_kit, not "
                     "AutoModelForSequenceClassification or CrossEncoder")
     torch.manual_seed(args.seed + ctx.rank)  # from here on (dropout) each rank draws its own numbers
-    resume_dir = ckpt.resolve_resume(args.resume, args.output_dir)
+    resume_dir = ckpt.start_run(args, ctx.world_size)  # one run per folder; a checkpoint that verifies
     if resume_dir:
         ckpt.restore_model(net, resume_dir, storage_dtype)
 

@@ -6,9 +6,10 @@ A checkpoint is one folder per step, `step_000100/`:
     optimizer_dcp/      sharded optimizer state under FSDP2 (torch.distributed.checkpoint)
     scheduler.pt        LR scheduler state_dict
     rng_rank{r}.pt      per-rank RNG states
-    meta.json           step, loop state, args, versions; written last inside the folder
+    meta.json           step, loop state, args, versions, each other file's size and sha256; written last
 It is written into `.tmp_step_000100/` and renamed when complete; `latest` names the newest
-complete one. A folder without `meta.json` is never loaded.
+complete one. A folder is resumed from only if it verifies (verify): a damaged newest checkpoint
+falls back to the one before. start_run keeps one run per folder and checks a resume's args.
 
 Resume order (see precision.py for why): load_model_weights -> cast model to the storage dtype
 -> build optimizer, load_optimizer -> load_scheduler -> loop state from meta.json.
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_model, save_file
 
+from . import flags
 from .dist import is_fsdp, unwrap
 
 def _barrier():
@@ -102,11 +104,23 @@ def _sharded(wrapped):
 
 def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args=None, wrapped=None, keep_last=0):
     """Write `run_dir/step_{step:06d}/` atomically from all ranks (collective), then keep the newest
-    `keep_last` complete ones (0 = all). Returns the path.
+    `keep_last` complete ones (0 = all). Returns the path. A write that fails (a full disk, a
+    quota) ends the run with one sentence; the checkpoints before it are untouched.
 
     `model` is the raw HF module whose weights are saved; `wrapped` the DDP / FSDP2 module the
     optimizer was built under (needed to gather sharded optimizer state).
     """
+    try:
+        return _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args, wrapped, keep_last)
+    except Exception as e:  # noqa: BLE001 - only a failed write becomes a sentence
+        if flags.os_reason(e) is None:
+            raise
+        raise SystemExit(f"cannot write the step {step} checkpoint in {run_dir}: {flags.os_reason(e)}; the newest "
+                         f"intact checkpoint is {find_latest(run_dir) or 'none'}: free space, then continue "
+                         "with --resume auto") from None
+
+
+def _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args, wrapped, keep_last):
     name = f"step_{step:06d}"
     final, tmp = os.path.join(run_dir, name), os.path.join(run_dir, f".tmp_{name}")
     rank = _rank()
@@ -134,7 +148,7 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args
         meta = {"step": step, "loop": loop_state, "args": args, "world_size": dist.get_world_size()
                 if dist.is_initialized() else 1, "torch": torch.__version__,
                 "optimizer_format": "dcp" if _sharded(wrapped) else "torch",
-                "transformers": transformers.__version__, "complete": True}
+                "transformers": transformers.__version__, "complete": True, "files": file_sums(tmp)}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2, default=str)
         _fsync_dir(tmp)
@@ -152,28 +166,177 @@ def is_complete(path):
     return os.path.isfile(os.path.join(path, "meta.json"))
 
 
+def file_sums(folder):
+    """{relative path: {"bytes", "sha256"}} of every file under folder (but meta.json)."""
+    import hashlib
+
+    sums = {}
+    for root, _, files in os.walk(folder):
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, folder)
+            if rel == "meta.json":
+                continue
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    h.update(block)
+            sums[rel] = {"bytes": os.path.getsize(path), "sha256": h.hexdigest()}
+    return sums
+
+
+def verify(path):
+    """Why the checkpoint folder `path` cannot be resumed from (a sentence naming the file), or None.
+    Checks meta.json (readable, its step the folder's) and every file's size and sha256 against the
+    sums meta.json recorded when the checkpoint was written."""
+    meta_path = os.path.join(path, "meta.json")
+    if not os.path.isfile(meta_path):
+        return f"{meta_path}: missing (the checkpoint was not finished)"
+    try:
+        meta = load_meta(path)
+        step = meta["step"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{meta_path}: unreadable ({type(e).__name__}: {e})"
+    name = os.path.basename(os.path.normpath(path))
+    if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) != step:
+        return f"{meta_path}: says step {step}, but the folder is {name}"
+    sums = meta.get("files")
+    if not isinstance(sums, dict):  # written before checksums were kept: the files must at least be there
+        need = ["model.safetensors", "scheduler.pt",
+                "optimizer_dcp" if meta.get("optimizer_format") == "dcp" else "optimizer.pt"]
+        missing = [n for n in need if not os.path.exists(os.path.join(path, n))]
+        return f"{os.path.join(path, missing[0])}: missing" if missing else None
+    now = file_sums(path)
+    for rel, want in sums.items():
+        got = now.get(rel)
+        if got is None:
+            return f"{os.path.join(path, rel)}: missing"
+        if got != want:
+            what = f"{got['bytes']} bytes, {want['bytes']} written" if got["bytes"] != want["bytes"] else \
+                "its sha256 differs from the one recorded when it was written"
+            return f"{os.path.join(path, rel)}: damaged ({what})"
+    return None
+
+
 def find_latest(run_dir):
-    """Newest complete `step_*` folder in run_dir, or None."""
+    """Newest `step_*` folder in run_dir that verifies (verify), or None; each newer one skipped is
+    a warning naming what is wrong with it (so a damaged newest checkpoint falls back to the one
+    before, and a launcher's restart recovers)."""
     if not os.path.isdir(run_dir):
         return None
     steps = sorted(d for d in os.listdir(run_dir) if d.startswith("step_"))
     for d in reversed(steps):
-        if is_complete(os.path.join(run_dir, d)):
+        problem = verify(os.path.join(run_dir, d))
+        if problem is None:
             return os.path.join(run_dir, d)
         if _rank() == 0:
-            warnings.warn(f"{os.path.join(run_dir, d)}: incomplete checkpoint (no meta.json), skipped")
+            print(f"warning: skipping checkpoint {os.path.join(run_dir, d)}: {problem}", flush=True)
     return None
 
 
 def resolve_resume(resume, run_dir):
-    """--resume none|auto|PATH -> a checkpoint folder or None."""
+    """--resume none|auto|PATH -> a checkpoint folder or None (this process's view; start_run
+    decides once on rank 0 for all ranks)."""
     if resume in (None, "", "none"):
         return None
     if resume == "auto":
         return find_latest(run_dir)
-    if not is_complete(resume):
-        raise SystemExit(f"--resume {resume}: not a complete checkpoint folder (no meta.json)")
+    problem = verify(resume)
+    if problem:
+        raise SystemExit(f"--resume {resume}: {problem}")
     return resume
+
+
+# args that do not change what a run computes (logging, validation, checkpoint cadence, workers,
+# and the DDP/FSDP2 knobs that change how, not what, is computed): a resume may change them freely
+RUN_NEUTRAL = {"output_dir", "resume", "overwrite_output_dir", "allow_changed_args", "log_every", "loss_avg_window",
+               "val_every", "val_batch_size", "val_max_groups", "val_file", "val_n_passages", "ckpt_every",
+               "keep_last", "num_workers", "eval_beir", "eval_k", "max_bad_steps", "static_graph", "bucket_cap_mb",
+               "gradient_as_bucket_view", "broadcast_buffers", "find_unused_parameters", "reshard_after_forward",
+               "activation_checkpointing"}
+
+
+def changed_args(saved, now, saved_world, world):
+    """["--flag: saved -> now", ...] for what defines the run: every arg but RUN_NEUTRAL, with the
+    batch counted over all ranks (`--batch-size` x ranks: the in-batch negatives; 1 rank x 8 is 2
+    ranks x 4) and `--max-steps` only where the LR schedule decays to it."""
+    skip = set(RUN_NEUTRAL) | {"batch_size"}
+    if saved.get("lr_schedule") == now.get("lr_schedule") == "constant":
+        skip.add("max_steps")
+    out = [f"--{k.replace('_', '-')}: {saved[k]!r} in the checkpoint, {now[k]!r} now"
+           for k in sorted(set(saved) & set(now)) if k not in skip and saved[k] != now[k]]
+    before, after = saved.get("batch_size", 0) * saved_world, now.get("batch_size", 0) * world
+    if before != after:
+        out.append(f"--batch-size x ranks: {saved.get('batch_size')} x {saved_world} in the checkpoint, "
+                   f"{now.get('batch_size')} x {world} now")
+    return out
+
+
+def _used(run_dir):
+    """What in run_dir says a run already lives there."""
+    if not os.path.isdir(run_dir):
+        return []
+    return sorted(d for d in os.listdir(run_dir) if d.startswith(("step_", ".tmp_step_"))
+                  or d in ("final", "latest", "metrics.jsonl"))
+
+
+def _decide(args, world_size):
+    """Rank 0's decision for start_run: (resume dir or None, error message or None)."""
+    run_dir = args.output_dir
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        probe = os.path.join(run_dir, ".write_test")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        return None, f"--output-dir {run_dir}: cannot write there ({flags.os_reason(e)})"
+    used = _used(run_dir)
+    if args.resume in (None, "", "none"):
+        if not used:
+            return None, None
+        if not getattr(args, "overwrite_output_dir", False):
+            shown = ", ".join(used[:4]) + (", ..." if len(used) > 4 else "")
+            return None, (f"--output-dir {run_dir} already holds a run ({shown}): continue it with --resume auto, "
+                          "or start over with --overwrite-output-dir (deletes it)")
+        for d in used + ["run_header.json", "tb"]:
+            p = os.path.join(run_dir, d)
+            if os.path.isdir(p):
+                shutil.rmtree(p)
+            elif os.path.exists(p):
+                os.remove(p)
+        print(f"--overwrite-output-dir: cleared {run_dir}", flush=True)
+        return None, None
+    try:
+        resume_dir = resolve_resume(args.resume, run_dir)
+    except SystemExit as e:
+        return None, str(e)
+    if resume_dir is None:
+        return None, None
+    meta = load_meta(resume_dir)
+    diffs = changed_args(meta.get("args") or {}, vars(args), meta.get("world_size", 1), world_size)
+    if diffs and not getattr(args, "allow_changed_args", False):
+        return None, (f"--resume: {resume_dir} was trained with other settings; what would change:\n  " +
+                      "\n  ".join(diffs) + "\nrun with the checkpoint's values, or pass --allow-changed-args to "
+                      "continue with today's")
+    for d in diffs:
+        print(f"warning: --allow-changed-args: {d}", flush=True)
+    return resume_dir, None
+
+
+def start_run(args, world_size):
+    """Before anything is loaded: decide, once on rank 0 and shared with every rank, where this run
+    starts. A folder that already holds a run is refused without --resume (or cleared with
+    --overwrite-output-dir); --resume auto takes the newest checkpoint that verifies, and a resume
+    whose run-defining args differ from the checkpoint's stops with the list (or goes on with
+    --allow-changed-args). Returns the checkpoint folder or None; a refusal exits with its message."""
+    decision = [_decide(args, world_size) if _rank() == 0 else None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(decision, src=0)
+    resume_dir, error = decision[0]
+    if error:
+        raise SystemExit(error if _rank() == 0 else 1)
+    return resume_dir
 
 
 def load_model_weights(model, ckpt_dir):
@@ -262,10 +425,16 @@ def add_ckpt_args(parser, output_dir):
     """Checkpoint and resume flags (both scripts)."""
     g = parser.add_argument_group("checkpoints")
     g.add_argument("--output-dir", default=output_dir, help=f"run folder: logs, checkpoints, final model (default {output_dir})")
-    g.add_argument("--ckpt-every", type=int, default=100, help="checkpoint every N steps, and at the end (default 100)")
-    g.add_argument("--keep-last", type=int, default=3, help="keep the newest K complete checkpoints (0 = all; default 3)")
+    g.add_argument("--ckpt-every", type=flags.positive_int, default=100, help="checkpoint every N steps, and at the end (default 100)")
+    g.add_argument("--keep-last", type=flags.nonneg_int, default=3, help="keep the newest K complete checkpoints (0 = all; default 3)")
     g.add_argument("--resume", default="none",
-                   help="none | auto (latest complete checkpoint in --output-dir, or start fresh) | PATH to a step_* folder")
+                   help="none | auto (the newest checkpoint in --output-dir that verifies, or start fresh) | PATH to a "
+                        "step_* folder")
+    g.add_argument("--overwrite-output-dir", action="store_true",
+                   help="start over in an --output-dir that already holds a run: delete its checkpoints, final/ and logs")
+    g.add_argument("--allow-changed-args", action="store_true",
+                   help="resume although run-defining flags (data, model, batch, lr, schedule, seed, lengths, "
+                        "precision...) differ from the checkpoint's; each difference is printed")
     return g
 
 

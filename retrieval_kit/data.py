@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from . import flags
 from .formats import DataError, detect_format, jsonl_objects, raise_problems, read_corpus, unread_fields
 from .textstore import Records, TextStore, digest
 
@@ -281,15 +282,15 @@ def add_data_args(parser, data_dir, n_passages, batch_size, unit="passages"):
                         "any, sampling with replacement for records with too few")
     g.add_argument("--val-file", default=os.path.join(data_dir, "val.jsonl"),
                    help="held-out JSONL for validation ('' to skip)")
-    g.add_argument("--val-max-groups", type=int, default=0, help="validate on the first N groups (0 = all)")
-    g.add_argument("--val-n-passages", type=int, default=4,
+    g.add_argument("--val-max-groups", type=flags.nonneg_int, default=0, help="validate on the first N groups (0 = all)")
+    g.add_argument("--val-n-passages", type=flags.positive_int, default=4,
                    help=f"{unit} per validation group (1 positive + N-1 negatives)")
-    g.add_argument("--n-passages", type=int, default=n_passages,
+    g.add_argument("--n-passages", type=flags.positive_int, default=n_passages,
                    help=f"{unit} per query: 1 positive + N-1 hard negatives (default {n_passages})")
-    g.add_argument("--batch-size", type=int, default=batch_size,
+    g.add_argument("--batch-size", type=flags.positive_int, default=batch_size,
                    help=f"queries per rank per micro-batch (default {batch_size})")
-    g.add_argument("--pad-to-multiple-of", type=int, default=8, help="round padded lengths up to this (0 = off)")
-    g.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS,
+    g.add_argument("--pad-to-multiple-of", type=flags.nonneg_int, default=8, help="round padded lengths up to this (0 = off)")
+    g.add_argument("--chunk-tokens", type=flags.nonneg_int, default=CHUNK_TOKENS,
                    help="run each batch in length-sorted chunks of at most this many padded tokens, each "
                         f"padded only to its own longest row; same loss and grads (0 = off; default {CHUNK_TOKENS})")
     g.add_argument("--grad-cache", action="store_true",

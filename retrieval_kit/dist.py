@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from . import flags
+
 
 @dataclass
 class DistContext:
@@ -163,7 +165,7 @@ def add_dist_args(parser):
                    help="DDP: find params that got no grad each step (costs a graph traversal per step)")
     g.add_argument("--static-graph", action="store_true",
                    help="DDP: the graph is the same every step; DDP skips re-discovery and overlaps more")
-    g.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP: gradient bucket size in MB (default 25)")
+    g.add_argument("--bucket-cap-mb", type=flags.positive_float, default=25.0, help="DDP: gradient bucket size in MB (default 25)")
     g.add_argument("--gradient-as-bucket-view", action="store_true",
                    help="DDP: grads are views into the all-reduce buckets (saves a copy; enables bucket clipping)")
     g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,

@@ -19,7 +19,7 @@ import os
 import torch
 from transformers import AutoTokenizer
 
-from . import dist
+from . import dist, flags
 from .data import shard
 from .formats import read_corpus, read_qrels, read_queries
 from .encode import encode_sharded, score_groups
@@ -38,8 +38,8 @@ def add_biencoder_setting_args(ap):
                     help="override the model dir's normalization")
     ap.add_argument("--query-prefix", default=None, help="override the model dir's query prefix (prompt)")
     ap.add_argument("--passage-prefix", default=None, help="override the model dir's passage prefix (prompt)")
-    ap.add_argument("--query-max-length", type=int, default=None, help="override the model dir's query max length")
-    ap.add_argument("--passage-max-length", type=int, default=None, help="override the model dir's passage max length")
+    ap.add_argument("--query-max-length", type=flags.positive_int, default=None, help="override the model dir's query max length")
+    ap.add_argument("--passage-max-length", type=flags.positive_int, default=None, help="override the model dir's passage max length")
 
 
 def _beir_file(path):
@@ -131,21 +131,19 @@ def main(argv=None):
     ap.add_argument("--model", default=None, help="bi-encoder dir (default: the bundled all-MiniLM-L6-v2)")
     ap.add_argument("--beir", default="data/eval", help="BEIR folder: corpus.jsonl, queries.jsonl, qrels/")
     ap.add_argument("--split", default="test", help="qrels file name under qrels/ (default test)")
-    ap.add_argument("--k", type=int, default=100, help="docs retrieved per query (default 100)")
-    ap.add_argument("--batch-size", type=int, default=64, help="texts per encoding batch")
+    ap.add_argument("--k", type=flags.positive_int, default=100, help="docs retrieved per query (default 100)")
+    ap.add_argument("--batch-size", type=flags.positive_int, default=64, help="texts per encoding batch")
     add_biencoder_setting_args(ap)
     ap.add_argument("--reranker", default=None, help="exported reranker dir for a second stage (optional)")
-    ap.add_argument("--rerank-top-k", type=int, default=10, help="docs per query the reranker rescores (default 10)")
-    ap.add_argument("--rerank-weight", type=float, default=0.5,
+    ap.add_argument("--rerank-top-k", type=flags.positive_int, default=10, help="docs per query the reranker rescores (default 10)")
+    ap.add_argument("--rerank-weight", type=flags.fraction, default=0.5,
                     help="order the top k by w * z(reranker) + (1 - w) * z(bi-encoder), each standardised over the "
                          "query's top k; 1 = the reranker alone (default 0.5, measured: README)")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dirs")
     ap.add_argument("--output", default=None, help="write the metrics as JSON here")
     args = ap.parse_args(argv)
-    if not 0.0 <= args.rerank_weight <= 1.0:
-        ap.error(f"--rerank-weight must be between 0 and 1, got {args.rerank_weight}")
-    if args.rerank_top_k < 1:
-        ap.error(f"--rerank-top-k must be at least 1, got {args.rerank_top_k}")
+    if args.output:
+        flags.check_writable_file("--output", args.output)
     for flag, path in (("--beir", args.beir), ("--model", args.model), ("--reranker", args.reranker)):
         if path is not None and not os.path.isdir(path):  # before any corpus is encoded
             ap.error(f"{flag} {path}: no such folder")

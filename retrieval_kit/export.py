@@ -20,11 +20,13 @@ The export checks its own tokenizer after writing it and records the outcome in 
 
 import json
 import os
+import shutil
 
 import torch
 
 from .ckpt import _barrier, _rank, full_state_dict
 from .dist import unwrap
+from .flags import os_reason
 from .collate import PAIR, _tokenize_bare, pair_layout, pair_post_processor
 
 SETTINGS_FILE = "retrieval_kit.json"
@@ -33,27 +35,57 @@ PROBES = [("how do i list files", "ls lists directory contents " * 200), ("q", "
           ("a fast compressor for data", "zstd is a fast lossless compression algorithm")]
 
 
-def export_model(out_dir, model, tokenizer, settings):
+def export_model(out_dir, model, tokenizer, settings, publish=True):
+    """export_model_ (below); a failed write (a full disk) ends the run with one sentence."""
+    try:
+        return export_model_(out_dir, model, tokenizer, settings, publish)
+    except Exception as e:  # noqa: BLE001 - only a failed write becomes a sentence
+        if os_reason(e) is None:
+            raise
+        raise SystemExit(f"cannot write the model to {out_dir}: {os_reason(e)}; the last checkpoint is intact: free "
+                         "space, then continue with --resume auto") from None
+
+
+def export_model_(out_dir, model, tokenizer, settings, publish=True):
     """Save a dir that AutoModel / AutoTokenizer.from_pretrained load, plus our settings beside it
     (pooling, normalization, prefixes, max lengths, template) so evaluation tokenizes as training did.
     A bi-encoder (settings["kind"] == "biencoder") also gets the sentence-transformers files
-    (st_format.write_st_files), so SentenceTransformer(out_dir) embeds as the kit does."""
+    (st_format.write_st_files), so SentenceTransformer(out_dir) embeds as the kit does.
+
+    Written into `out_dir.partial` and renamed to `out_dir` when complete (publish=False leaves it
+    there for the caller to finish and publish), so a kill never leaves a model dir that looks
+    complete but is not."""
     from .st_format import write_st_files
 
     weights = full_state_dict(model)  # collective under FSDP2
+    stage = staging(out_dir)
     if _rank() == 0:
-        os.makedirs(out_dir, exist_ok=True)
-        unwrap(model).save_pretrained(out_dir, state_dict=weights, safe_serialization=True)
-        tokenizer.save_pretrained(out_dir)
+        shutil.rmtree(stage, ignore_errors=True)
+        os.makedirs(stage)
+        unwrap(model).save_pretrained(stage, state_dict=weights, safe_serialization=True)
+        tokenizer.save_pretrained(stage)
         if settings.get("kind") == "biencoder":
-            warnings = write_st_files(out_dir, settings, unwrap(model).config.hidden_size)
+            warnings = write_st_files(stage, settings, unwrap(model).config.hidden_size)
             settings = {**settings, "sentence_transformers": {"files": True, "warnings": warnings}}
             for w in warnings:
                 print(f"warning: {out_dir}: {w}", flush=True)
-        with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
+        with open(os.path.join(stage, SETTINGS_FILE), "w") as f:
             json.dump(settings, f, indent=2)
+    if publish:
+        publish_dir(out_dir)
     _barrier()
     return out_dir
+
+
+def staging(out_dir):
+    return os.path.normpath(out_dir) + ".partial"
+
+
+def publish_dir(out_dir):
+    """Rank 0: replace out_dir by its finished staging dir."""
+    if _rank() == 0:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(staging(out_dir), out_dir)
 
 
 def load_settings(model_dir):
@@ -108,7 +140,8 @@ def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False):
     reasons = kit_only_reasons(settings["pooling"], settings.get("bidirectional", False))
     settings = dict(settings, score_activation="identity", tokenizer_pairs=False, portable=False,
                     kit_only=reasons)
-    export_model(out_dir, net, tokenizer, settings)  # collective under FSDP2
+    export_model(out_dir, net, tokenizer, settings, publish=False)  # collective under FSDP2
+    final, out_dir = out_dir, staging(out_dir)  # finished in the staging dir, then published
     if _rank() == 0:
         layout = pair_layout(tokenizer, template, settings["append_eos"])
         _edit_json(os.path.join(out_dir, "config.json"),
@@ -133,6 +166,7 @@ def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False):
         settings["portable"] = not settings["kit_only"]
         with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
             json.dump(settings, f, indent=2)
+    publish_dir(final)
     _barrier()
     return settings
 

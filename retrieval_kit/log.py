@@ -1,6 +1,7 @@
 """Run header, tqdm bar, tensorboard scalars and a metrics JSONL (all on rank 0)."""
 
 import json
+import math
 import os
 import platform
 import subprocess
@@ -43,6 +44,27 @@ def start(args, ctx, output_dir, max_steps, start_step, log_every, bar_keys, sum
     return logger
 
 
+def keep_until(path, step):
+    """Keep the lines of metrics.jsonl `path` that a run resumed at `step` does not log again: the
+    steps before it and its train line (the validation at `step` is run again; a fresh start keeps
+    nothing). A line cut short by a kill is dropped. Atomic (tmp + rename)."""
+    if not os.path.isfile(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            at = row.get("step") if isinstance(row, dict) else None
+            if step and isinstance(at, int) and (at < step or at == step and row.get("split") == "train"):
+                kept.append(line if line.endswith("\n") else line + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
 class Logger:
     """Writes scalars to tensorboard and metrics.jsonl and shows a tqdm bar; a no-op off rank 0."""
 
@@ -57,8 +79,10 @@ class Logger:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "run_header.json"), "w") as f:
             json.dump(header, f, indent=2, default=str)
-        self.writer = SummaryWriter(os.path.join(out_dir, "tb"))
+        # a resumed run rewrites what came after its checkpoint: one line (and one event) per step
+        self.writer = SummaryWriter(os.path.join(out_dir, "tb"), purge_step=initial_step + 1 if initial_step else None)
         self.writer.add_text("run_header", "```\n" + json.dumps(header, indent=2, default=str) + "\n```")
+        keep_until(os.path.join(out_dir, "metrics.jsonl"), initial_step)
         self.jsonl = open(os.path.join(out_dir, "metrics.jsonl"), "a")
         self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True)
 
@@ -67,7 +91,8 @@ class Logger:
             return
         for k, v in scalars.items():
             self.writer.add_scalar(f"{prefix}/{k}", v, step)
-        self.jsonl.write(json.dumps({"step": step, "split": prefix, **scalars}) + "\n")
+        finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in scalars.items()}
+        self.jsonl.write(json.dumps({"step": step, "split": prefix, **finite}) + "\n")  # NaN -> null: valid JSON
         self.jsonl.flush()
         if prefix == "train":
             self.bar.set_postfix({k: f"{scalars[k]:.4g}" for k in self.bar_keys if k in scalars}, refresh=False)

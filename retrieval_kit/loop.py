@@ -20,18 +20,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import data, dist, optim, precision
+from . import data, dist, flags, optim, precision
 from .gradcache import grad_cache
 from .metrics import WindowedAverage, group_metric_sums
 
 
 def add_run_args(parser, val_batch_size):
     g = parser.add_argument_group("run")
-    g.add_argument("--log-every", type=int, default=1, help="log train scalars every N steps")
-    g.add_argument("--loss-avg-window", type=int, default=50, help="window of the smoothed loss")
-    g.add_argument("--val-every", type=int, default=30, help="validate every N steps (and at step 0 and the end)")
-    g.add_argument("--val-batch-size", type=int, default=val_batch_size, help="queries per validation batch")
-    g.add_argument("--num-workers", type=int, default=None,
+    g.add_argument("--log-every", type=flags.positive_int, default=1, help="log train scalars every N steps")
+    g.add_argument("--loss-avg-window", type=flags.positive_int, default=50, help="window of the smoothed loss")
+    g.add_argument("--val-every", type=flags.positive_int, default=30, help="validate every N steps (and at step 0 and the end)")
+    g.add_argument("--val-batch-size", type=flags.positive_int, default=val_batch_size, help="queries per validation batch")
+    g.add_argument("--num-workers", type=flags.nonneg_int, default=None,
                    help="DataLoader worker processes that sample, tokenize, pad and plan the chunks of each "
                         "micro-batch ahead of the model (0 = in the training process; default: 0 on CPU, "
                         "where workers take cores from the model, 2 on CUDA)")

@@ -54,7 +54,7 @@ def main(argv=None):
 
     from transformers import AutoTokenizer
 
-    from . import dist
+    from . import dist, flags
     from .data import read_records
     from .encode import encode_sharded
     from .evaluate import add_biencoder_setting_args, biencoder_settings
@@ -65,16 +65,17 @@ def main(argv=None):
     ap.add_argument("--input", required=True, help="JSONL with query and pos_doc")
     ap.add_argument("--corpus", default=None, help="BEIR corpus.jsonl of candidate passages")
     ap.add_argument("--out", required=True, help="training JSONL to write")
-    ap.add_argument("--model", default=None, help="bi-encoder dir (default: the bundled all-MiniLM-L6-v2)")
-    ap.add_argument("--k", type=int, default=7, help="hard negatives per query (default 7)")
-    ap.add_argument("--skip-top", type=int, default=0, help="skip this many top-ranked non-positives (default 0)")
+    ap.add_argument("--model", type=flags.model_path, default=None, help="bi-encoder dir (default: the bundled all-MiniLM-L6-v2)")
+    ap.add_argument("--k", type=flags.positive_int, default=7, help="hard negatives per query (default 7)")
+    ap.add_argument("--skip-top", type=flags.nonneg_int, default=0, help="skip this many top-ranked non-positives (default 0)")
     ap.add_argument("--max-score-ratio", type=float, default=0.95,
                     help="drop candidates scoring above this fraction of the positive's score (default 0.95; "
                          "<= 0 turns the filter off)")
-    ap.add_argument("--depth", type=int, default=200, help="candidates considered per query (default 200)")
-    ap.add_argument("--batch-size", type=int, default=64, help="texts per encoding batch")
+    ap.add_argument("--depth", type=flags.positive_int, default=200, help="candidates considered per query (default 200)")
+    ap.add_argument("--batch-size", type=flags.positive_int, default=64, help="texts per encoding batch")
     add_biencoder_setting_args(ap)
     args = ap.parse_args(argv)
+    flags.check_writable_file("--out", args.out)  # before any encoding
 
     ctx = dist.init()
     records, _ = read_records(args.input)

@@ -1,5 +1,6 @@
 """Exact resume after SIGKILL / SIGTERM, across world sizes, and checkpoints that must not be trusted."""
 
+import json
 import os
 import pickle
 import shutil
@@ -13,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import BertModel
 
+from retrieval_kit import ckpt
 from tests.conftest import ROOT, read_jsonl, run_script, tiny_bert_config
 
 
@@ -185,7 +187,8 @@ def test_half_written_checkpoint_is_skipped(bi_ref, tiny_model_dir, small_train_
     shutil.copytree(os.path.join(bi_ref, "step_000006"), tmp_path / ".tmp_step_000006")  # crashed mid-save
     out = run_script("train_biencoder.py", bi_args(tiny_model_dir, small_train_file, tmp_path, "--max-steps", STEPS,
                                                    "--resume", "auto"))
-    assert "step_000004: incomplete checkpoint (no meta.json), skipped" in out.stderr
+    assert f"warning: skipping checkpoint {tmp_path / 'step_000004'}: " in out.stdout
+    assert "meta.json: missing (the checkpoint was not finished)" in out.stdout
     assert "resumed from" in out.stdout and "step_000002 at step 2" in out.stdout
     assert_same_run(bi_ref, tmp_path)
 
@@ -205,9 +208,17 @@ def test_tampered_pickle_is_refused_not_executed(bi_ref, tiny_model_dir, small_t
     with open(ckpt_dir / "optimizer.pt", "wb") as f:
         pickle.dump(Payload(marker), f)
     env = dict(os.environ, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "train_biencoder.py")] + [
-        str(a) for a in bi_args(tiny_model_dir, small_train_file, tmp_path / "r", "--max-steps", 4, "--resume", ckpt_dir)],
-        env=env, capture_output=True, text=True, timeout=300)
+
+    def resume():
+        return subprocess.run([sys.executable, os.path.join(ROOT, "train_biencoder.py")] + [
+            str(a) for a in bi_args(tiny_model_dir, small_train_file, tmp_path / "r", "--max-steps", 4, "--resume",
+                                    ckpt_dir)], env=env, capture_output=True, text=True, timeout=300)
+    out = resume()  # first wall: the file no longer matches the checksum meta.json recorded
+    assert out.returncode != 0 and f"{ckpt_dir / 'optimizer.pt'}: damaged" in out.stderr
+    meta = json.loads((ckpt_dir / "meta.json").read_text())  # an attacker who rewrites the sums too
+    meta["files"]["optimizer.pt"] = ckpt.file_sums(str(ckpt_dir))["optimizer.pt"]
+    (ckpt_dir / "meta.json").write_text(json.dumps(meta))
+    out = resume()  # second wall: weights_only unpickling
     assert out.returncode != 0
     assert f"{ckpt_dir / 'optimizer.pt'}: refusing to load" in out.stderr
     assert not marker.exists()
@@ -221,7 +232,7 @@ def test_non_finite_steps_are_skipped_and_never_saved(tiny_model_dir, small_trai
         env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "3 steps in a row with a non-finite loss" in out.stderr
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["split"] == "train"]
-    assert rows[-1]["skipped_steps"] == 2 and rows[-1]["loss"] != rows[-1]["loss"]  # NaN logged, step skipped
+    assert rows[-1]["skipped_steps"] == 2 and rows[-1]["loss"] is None  # NaN logged (as null: valid JSON), skipped
     saved = sorted(d for d in os.listdir(tmp_path) if d.startswith("step_"))
     assert saved
     for d in saved:

@@ -48,8 +48,8 @@ def test_fuse_scores_standardises_each_stage():
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--rerank-weight", "2"], "--rerank-weight must be between 0 and 1"),
-    (["--rerank-top-k", "0"], "--rerank-top-k must be at least 1"),
+    (["--rerank-weight", "2"], "argument --rerank-weight: must be between 0 and 1, got 2"),
+    (["--rerank-top-k", "0"], "argument --rerank-top-k: must be a positive integer, got 0"),
     (["--reranker", "/nonexistent"], "--reranker /nonexistent: no such folder"),
 ])
 def test_evaluate_bad_flags_are_one_message(args, message):

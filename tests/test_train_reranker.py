@@ -27,8 +27,10 @@ def test_bf16_run_resumed_with_force_fp32_on_two_ranks(tiny_model_dir, small_tra
     assert {s["exp_avg"].dtype for s in state.values()} == {torch.bfloat16}
 
     # the line users type, resuming the bf16 checkpoint: the script's own dtype check must pass
+    # (a change of precision on resume is said explicitly: --allow-changed-args)
     run_script("train_reranker.py", common + ["--force-fp32-params", "--static-graph", "--resume", bf16_ckpt,
-                                              "--max-steps", 4, "--output-dir", tmp_path / "b"], nproc=2)
+                                              "--allow-changed-args", "--max-steps", 4, "--output-dir", tmp_path / "b"],
+               nproc=2)
     out = tmp_path / "b"
     state = torch.load(out / "step_000004" / "optimizer.pt", weights_only=True)["state"]
     assert {s[k].dtype for s in state.values() for k in ("exp_avg", "exp_avg_sq")} == {torch.float32}

@@ -1,0 +1,100 @@
+"""argparse types that refuse nonsense values up front: `--batch-size 0` is one line from argparse
+("argument --batch-size: must be a positive integer, got 0") and exit status 2, never a
+ZeroDivisionError many steps later or a run that trains on NaN."""
+
+import argparse
+import math
+import os
+
+
+def _number(kind, text):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def positive_int(text):
+    value = _number(int, text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def nonneg_int(text):
+    value = _number(int, text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def positive_float(text):
+    value = _number(float, text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def nonneg_float(text):
+    value = _number(float, text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def fraction(text):
+    """0 <= x <= 1."""
+    value = _number(float, text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
+
+
+def beta(text):
+    """An Adam beta: 0 <= x < 1."""
+    value = _number(float, text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, got {text}")
+    return value
+
+
+def os_reason(e):
+    """An OSError (or safetensors' I/O error) in a few words, or None for any other exception."""
+    if isinstance(e, (FileExistsError, NotADirectoryError)):
+        return "a part of the path is a file, not a folder"
+    if isinstance(e, OSError):
+        return (e.strerror or str(e)) + (f" ({e.filename})" if e.filename else "")
+    if type(e).__name__ == "SafetensorError" and "I/O error: " in str(e):
+        return str(e).split("I/O error: ")[-1]
+    return None
+
+
+def check_writable_file(flag, path):
+    """Before any work: the file `path` can be written (its folder is created); else one sentence
+    naming the flag."""
+    existed = os.path.exists(path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise SystemExit(f"{flag} {path}: cannot write there ({os_reason(e)})") from None
+    if not existed:
+        os.remove(path)
+
+
+def model_path(text):
+    """A model dir, or a Hugging Face hub id ("org/name"): a value that is written as a path
+    (absolute, ./, ../, ~) must be an existing directory."""
+    if text.startswith(("/", "./", "../", "~")) or os.sep * 2 in text or text in (".", ".."):
+        path = os.path.expanduser(text)
+        if not os.path.isdir(path):
+            raise argparse.ArgumentTypeError(f"no such directory: {text}" if not os.path.exists(path)
+                                             else f"not a directory: {text}")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise argparse.ArgumentTypeError(f"{text} holds no config.json: not a Hugging Face model dir")
+        return path
+    return text

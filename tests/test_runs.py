@@ -1,0 +1,227 @@
+"""No run is lost and every user error is a sentence: bad flags, used run folders, changed args on
+resume, damaged checkpoints (fall back to the previous intact one), and random SIGKILLs until done
+- each resumed run ends bitwise equal to an uninterrupted one."""
+
+import contextlib
+import hashlib
+import importlib
+import io
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT
+
+BAD_FLAGS = [  # (flag, value, what argparse must say)
+    ("--batch-size", "0", "must be a positive integer, got 0"),
+    ("--grad-accum-steps", "0", "must be a positive integer"),
+    ("--grad-accum-steps", "-1", "must be a positive integer"),
+    ("--log-every", "0", "must be a positive integer"),
+    ("--val-every", "0", "must be a positive integer"),
+    ("--val-batch-size", "0", "must be a positive integer"),
+    ("--ckpt-every", "0", "must be a positive integer"),
+    ("--max-steps", "0", "must be a positive integer"),
+    ("--n-passages", "0", "must be a positive integer"),
+    ("--num-workers", "-1", "must be 0 or more"),
+    ("--keep-last", "-2", "must be 0 or more"),
+    ("--lr", "0", "must be a positive number"),
+    ("--lr", "nan", "must be a finite number"),
+    ("--adam-eps", "0", "must be a positive number"),
+    ("--adam-beta2", "1.0", "must be at least 0 and below 1"),
+    ("--weight-decay", "-0.1", "must be 0 or more"),
+    ("--warmup-steps", "-5", "must be 0 or more"),
+    ("--batch-size", "two", "must be an integer, got 'two'"),
+    ("--model", "/nonexistent/model", "no such directory: /nonexistent/model"),
+]
+SCRIPT_FLAGS = {"train_biencoder": [("--temperature", "0", "must be a positive number"),
+                                    ("--temperature", "-1", "must be a positive number"),
+                                    ("--query-max-length", "0", "must be a positive integer")],
+                "train_reranker": [("--head-lr-mult", "0", "must be a positive number"),
+                                   ("--rerank-max-length", "-3", "must be a positive integer")]}
+
+
+@pytest.mark.parametrize("script", ["train_biencoder", "train_reranker"])
+def test_every_nonsense_flag_is_one_argparse_line(script):
+    sys.path.insert(0, ROOT)
+    parse_args = importlib.import_module(script).parse_args
+    for flag, value, said in BAD_FLAGS + SCRIPT_FLAGS[script]:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+            parse_args([flag, value])
+        assert e.value.code == 2, (flag, value)
+        assert f"argument {flag}: {said}" in err.getvalue(), (flag, value, err.getvalue())
+        assert "Traceback" not in err.getvalue()
+
+
+def run(script, args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, os.path.join(ROOT, script)] + [str(a) for a in args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def base_args(model_dir, train_file, out):
+    return ["--model", model_dir, "--train-file", train_file, "--val-file", "", "--batch-size", "4",
+            "--passage-max-length", "32", "--max-steps", "6", "--ckpt-every", "2", "--keep-last", "0",
+            "--output-dir", str(out)]
+
+
+def sha(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def one_sentence(out, *needles):
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    for n in needles:
+        assert n in text, (n, text[-3000:])
+
+
+RUN_SECONDS = []
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_model_dir, small_train_file, tmp_path_factory):
+    """An uninterrupted 6-step run, checkpoints at 2, 4, 6 kept: the reference."""
+    out = tmp_path_factory.mktemp("runs") / "ref"
+    t0 = time.perf_counter()
+    done = run("train_biencoder.py", base_args(tiny_model_dir, small_train_file, out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    RUN_SECONDS.append(time.perf_counter() - t0)  # how long a whole run takes here: the chaos test's clock
+    return out
+
+
+def test_a_used_folder_is_refused_changed_args_listed_and_overwrite_starts_over(finished, tiny_model_dir,
+                                                                                small_train_file, tmp_path):
+    folder = tmp_path / "used"
+    shutil.copytree(finished, folder)
+    args = base_args(tiny_model_dir, small_train_file, folder)
+    one_sentence(run("train_biencoder.py", args), f"--output-dir {folder} already holds a run",
+                 "continue it with --resume auto", "--overwrite-output-dir")
+    one_sentence(run("train_biencoder.py", args + ["--resume", "auto", "--lr", "1e-4", "--seed", "3"]),
+                 "was trained with other settings", "--lr: 5e-05 in the checkpoint, 0.0001 now",
+                 "--seed: 42 in the checkpoint, 3 now", "--allow-changed-args")
+    again = run("train_biencoder.py", args + ["--overwrite-output-dir", "--max-steps", "2"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert sorted(d for d in os.listdir(folder) if d.startswith("step_")) == ["step_000002"]
+    rows = [json.loads(l) for l in open(folder / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]  # the old run's lines are gone
+
+
+def test_an_unwritable_output_dir_is_one_sentence(tiny_model_dir, small_train_file, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    one_sentence(run("train_biencoder.py", base_args(tiny_model_dir, small_train_file, blocker / "run")),
+                 f"--output-dir {blocker / 'run'}: cannot write there")
+
+
+def damage(ckpt_dir, how):
+    p = lambda name: os.path.join(ckpt_dir, name)  # noqa: E731
+    if how == "truncated weights":
+        with open(p("model.safetensors"), "r+b") as f:
+            f.truncate(os.path.getsize(p("model.safetensors")) // 2)
+    elif how == "flipped bit in the weights":
+        blob = bytearray(open(p("model.safetensors"), "rb").read())
+        blob[-100] ^= 0x01
+        open(p("model.safetensors"), "wb").write(bytes(blob))
+    elif how == "no optimizer.pt":
+        os.remove(p("optimizer.pt"))
+    elif how == "truncated scheduler.pt":
+        open(p("scheduler.pt"), "wb").write(open(p("scheduler.pt"), "rb").read()[:10])
+    elif how == "no rng_rank0.pt":
+        os.remove(p("rng_rank0.pt"))
+    elif how == "garbage meta.json":
+        open(p("meta.json"), "w").write("{not json")
+    elif how == "empty meta.json":
+        open(p("meta.json"), "w").write("")
+    elif how == "meta.json says step 99":
+        meta = json.load(open(p("meta.json")))
+        json.dump(dict(meta, step=99), open(p("meta.json"), "w"))
+    return {"truncated weights": "model.safetensors: damaged", "flipped bit in the weights": "model.safetensors: damaged",
+            "no optimizer.pt": "optimizer.pt: missing", "truncated scheduler.pt": "scheduler.pt: damaged",
+            "no rng_rank0.pt": "rng_rank0.pt: missing", "garbage meta.json": "meta.json: unreadable",
+            "empty meta.json": "meta.json: unreadable", "meta.json says step 99": "says step 99"}[how]
+
+
+DAMAGES = ["truncated weights", "flipped bit in the weights", "no optimizer.pt", "truncated scheduler.pt",
+           "no rng_rank0.pt", "garbage meta.json", "empty meta.json", "meta.json says step 99"]
+
+
+@pytest.mark.parametrize("how", DAMAGES)
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(finished, tmp_path, how, capsys):
+    from retrieval_kit import ckpt
+
+    folder = tmp_path / "run"
+    shutil.copytree(finished, folder)
+    said = damage(str(folder / "step_000006"), how)
+    assert ckpt.find_latest(str(folder)) == str(folder / "step_000004")
+    out = capsys.readouterr().out
+    assert f"warning: skipping checkpoint {folder / 'step_000006'}: " in out and said in out, out
+
+
+def test_resuming_past_a_damaged_checkpoint_ends_bitwise_equal(finished, tiny_model_dir, small_train_file, tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(finished, folder)
+    shutil.rmtree(folder / "final")
+    damage(str(folder / "step_000006"), "truncated weights")
+    damage(str(folder / "step_000004"), "no rng_rank0.pt")
+    done = run("train_biencoder.py", base_args(tiny_model_dir, small_train_file, folder) + ["--resume", "auto"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {folder / 'step_000002'} at step 2" in done.stdout
+    assert sha(folder / "final" / "model.safetensors") == sha(finished / "final" / "model.safetensors")
+    rows = [json.loads(l) for l in open(folder / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # one line per step, the resumed ones once
+    assert [r["loss"] for r in rows] == [json.loads(l)["loss"] for l in open(finished / "metrics.jsonl")]
+
+
+def test_chaos_random_sigkills_then_resume_until_done_is_bitwise_equal(finished, tiny_model_dir, small_train_file,
+                                                                       tmp_path):
+    """SIGKILL at random moments (model loading, steps, checkpoint writes, export), --resume auto
+    each time, until a run exits 0: the final weights are the uninterrupted run's, bit for bit."""
+    folder = tmp_path / "chaos"
+    args = base_args(tiny_model_dir, small_train_file, folder)
+    args[args.index("--ckpt-every") + 1] = "1"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
+    rng, kills = random.Random(11), 0
+    for attempt in range(12):
+        cmd = [sys.executable, os.path.join(ROOT, "train_biencoder.py")] + [str(a) for a in args] + \
+            (["--resume", "auto"] if attempt else [])
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=rng.uniform(0.3, 1.0) * RUN_SECONDS[0] if kills < 4 else 300)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate()
+            kills += 1
+            time.sleep(0.1)
+            continue
+        assert proc.returncode == 0, err[-3000:]
+        break
+    else:
+        pytest.fail("the run never finished")
+    assert kills >= 2, kills  # most draws land before the run's end
+    assert not any(d.endswith(".partial") for d in os.listdir(folder))
+    assert sha(folder / "final" / "model.safetensors") == sha(finished / "final" / "model.safetensors")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE stands in for a full disk")
+def test_a_full_disk_is_one_sentence_and_keeps_the_checkpoints(tiny_model_dir, small_train_file, tmp_path):
+    import resource
+
+    def small_disk():  # writes past 3 MB fail with EFBIG, as a full disk fails with ENOSPC
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (3_000_000, 3_000_000))
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train_biencoder.py")] +
+                         base_args(tiny_model_dir, small_train_file, tmp_path / "r"), cwd=ROOT, env=env,
+                         preexec_fn=small_disk, capture_output=True, text=True, timeout=300)
+    one_sentence(out, f"cannot write the step 2 checkpoint in {tmp_path / 'r'}: File too large",
+                 "the newest intact checkpoint is none", "--resume auto")
