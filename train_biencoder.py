@@ -14,14 +14,13 @@ import functools
 import os
 
 import torch
-from transformers import AutoTokenizer
 
 from retrieval_kit import ckpt, data, dist, evaluate, flags, log, loop, optim, precision
 from retrieval_kit.collate import biencoder_inputs
 from retrieval_kit.export import export_model
 from retrieval_kit.losses import contrastive_loss, contrastive_scores
 from retrieval_kit.metrics import WindowedAverage, retrieval_metrics, top1
-from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder
+from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder, load_tokenizer
 from retrieval_kit.st_format import SETTING_KEYS, resolve_biencoder_settings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -106,7 +105,7 @@ def main():
     storage_dtype, compute_dtype, autocast_dtype = precision.resolve(args.torch_dtype, args.force_fp32_params,
                                                                      args.compute_dtype, args.parallel)
     model_dir = args.model or default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
     encoder = load_encoder(model_dir, storage_dtype, args.trust_remote_code).to(ctx.device)
     settings, read = resolve_biencoder_settings(model_dir, {k: getattr(args, k) for k in SETTING_KEYS})
     if read:  # what the model dir's sentence-transformers files set

@@ -17,7 +17,6 @@ import functools
 import os
 
 import torch
-from transformers import AutoTokenizer
 
 from retrieval_kit import ckpt, data, dist, flags, log, loop, optim, precision
 from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, pair_layout, rerank_inputs
@@ -25,7 +24,7 @@ from retrieval_kit.export import export_reranker, kit_only_reasons
 from retrieval_kit.losses import RERANK_LOSSES, listwise_loss
 from retrieval_kit.metrics import WindowedAverage, top1
 from retrieval_kit.models import (CrossEncoder, default_model_dir, fresh_head_params, is_decoder_only, load_reranker,
-                                  make_bidirectional, setup_pad_token)
+                                  load_tokenizer, make_bidirectional, setup_pad_token)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -103,7 +102,7 @@ def main():
     storage_dtype, compute_dtype, autocast_dtype = precision.resolve(args.torch_dtype, args.force_fp32_params,
                                                                      args.compute_dtype, args.parallel)
     model_dir = args.model or default_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
     if args.padding_side != "auto":
         tokenizer.padding_side = args.padding_side
     net = load_reranker(model_dir, storage_dtype, args.trust_remote_code)

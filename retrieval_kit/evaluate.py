@@ -17,7 +17,6 @@ import json
 import os
 
 import torch
-from transformers import AutoTokenizer
 
 from . import dist, flags
 from .data import shard
@@ -25,7 +24,7 @@ from .formats import read_corpus, read_qrels, read_queries
 from .encode import encode_sharded, score_groups
 from .export import load_exported_reranker
 from .metrics import rank_docs, retrieval_metrics
-from .models import default_model_dir, load_encoder
+from .models import default_model_dir, load_encoder, load_tokenizer
 from .search import exact_topk
 from .st_format import resolve_biencoder_settings
 
@@ -152,7 +151,7 @@ def main(argv=None):
     beir = load_beir(args.beir, args.split)
     model_dir = args.model or default_model_dir()
     settings = biencoder_settings(model_dir, vars(args))
-    tok = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=args.trust_remote_code)
+    tok = load_tokenizer(model_dir, args.trust_remote_code)
     enc = load_encoder(model_dir, torch.float32, args.trust_remote_code).to(ctx.device)
     run = retrieve(enc, tok, settings, beir, args.k, args.batch_size, ctx.device, progress=ctx.is_main)
     results = {"biencoder": retrieval_metrics(run, beir[3])}

@@ -17,48 +17,21 @@ def _number(kind, text):
     return value
 
 
-def positive_int(text):
-    value = _number(int, text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+def _checked(kind, ok, says):
+    def parse(text):
+        value = _number(kind, text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{says}, got {text}")
+        return value
+    return parse
 
 
-def nonneg_int(text):
-    value = _number(int, text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def positive_float(text):
-    value = _number(float, text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def nonneg_float(text):
-    value = _number(float, text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def fraction(text):
-    """0 <= x <= 1."""
-    value = _number(float, text)
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
-    return value
-
-
-def beta(text):
-    """An Adam beta: 0 <= x < 1."""
-    value = _number(float, text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, got {text}")
-    return value
+positive_int = _checked(int, lambda v: v > 0, "must be a positive integer")
+nonneg_int = _checked(int, lambda v: v >= 0, "must be 0 or more")
+positive_float = _checked(float, lambda v: v > 0, "must be a positive number")
+nonneg_float = _checked(float, lambda v: v >= 0, "must be 0 or more")
+fraction = _checked(float, lambda v: 0 <= v <= 1, "must be between 0 and 1")
+beta = _checked(float, lambda v: 0 <= v < 1, "must be at least 0 and below 1")  # an Adam beta
 
 
 def os_reason(e):

@@ -117,16 +117,8 @@ def text_problem(value):
 
 
 def id_problem(value):
-    """Why `value` cannot be a document or query id, or None."""
-    if not isinstance(value, str):
-        return f"must be a string, got {json_type(value)}"
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return f"has an unpaired surrogate \\u{ord(value[e.start]):04x} (not valid Unicode)"
-    if not _visible(value):
-        return "is empty or only spaces and control characters" if value else "is an empty string"
-    return None
+    """Why `value` cannot be a document or query id, or None: the same rules as a text."""
+    return text_problem(value)
 
 
 def check(problem_fn, value, where, what, problems):

@@ -52,14 +52,12 @@ def main(argv=None):
     import json
     import os
 
-    from transformers import AutoTokenizer
-
     from . import dist, flags
     from .data import read_records
     from .encode import encode_sharded
     from .evaluate import add_biencoder_setting_args, biencoder_settings
     from .formats import read_corpus
-    from .models import default_model_dir, load_encoder
+    from .models import default_model_dir, load_encoder, load_tokenizer
 
     ap = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", required=True, help="JSONL with query and pos_doc")
@@ -90,7 +88,7 @@ def main(argv=None):
                 texts.append(p)
     model_dir = args.model or default_model_dir()
     s = biencoder_settings(model_dir, vars(args))
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = load_tokenizer(model_dir)
     enc = load_encoder(model_dir).to(ctx.device)
     p_emb = encode_sharded(enc, tok, texts, s["passage_max_length"], s["passage_prefix"], args.batch_size,
                            s["pooling"], s["normalize"], ctx.device, ctx.is_main, "corpus")

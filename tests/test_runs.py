@@ -225,3 +225,15 @@ def test_a_full_disk_is_one_sentence_and_keeps_the_checkpoints(tiny_model_dir, s
                          preexec_fn=small_disk, capture_output=True, text=True, timeout=300)
     one_sentence(out, f"cannot write the step 2 checkpoint in {tmp_path / 'r'}: File too large",
                  "the newest intact checkpoint is none", "--resume auto")
+
+
+def test_a_model_dir_that_does_not_load_is_one_sentence(tmp_path):
+    from retrieval_kit.models import load_encoder, load_reranker, load_tokenizer
+
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')  # a config, no weights, no tokenizer
+    for load, what in ((load_encoder, "model"), (load_reranker, "model"), (load_tokenizer, "tokenizer")):
+        with pytest.raises(SystemExit, match=rf"{tmp_path}: cannot load the {what} \(.+\)"):
+            load(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    with pytest.raises(SystemExit, match="cannot load the model .*does not recognize this architecture"):
+        load_encoder(str(tmp_path))
