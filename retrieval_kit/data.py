@@ -99,7 +99,9 @@ def read_records(path, n_passages=None, corpus=None, fill=None):
     if not len(records) and not problems:
         problems.append(f"{path}: no records (the file is empty)")
     raise_problems(path, problems)
-    records.fill = fill
+    # the pool is fixed here: a store shared with a file read later (--corpus) grows, and a
+    # training record must not draw from the validation file's passages
+    records.fill, records.pool = fill, len(passages)
     if n_passages is not None and n_passages > 1:
         need = n_passages - 1
         n_neg = np.diff(np.frombuffer(records.neg_ends, dtype=np.int64), prepend=0)

@@ -126,7 +126,8 @@ class Records:
         self.neg_ends, self.neg_ids = array("q"), array("i")
         self.pos_scores = self.neg_scores = None  # array("f") once a record has scores
         self.prompts, self.prompt_ids, self._prompt_index = [], None, {}
-        self.fill = None  # "random": draw missing negatives from `passages` (data.read_records)
+        self.fill = None  # "random": draw missing negatives from the first `pool` passages (data.read_records)
+        self.pool = 0
         self.summary = ""  # what was read, in a line (data.read_records)
 
     def add(self, line, query, pos_ids, neg_ids, pos_scores=None, neg_scores=None, prompt=None):
@@ -221,7 +222,7 @@ class RecordView:
     @property
     def fill_pool(self):
         """Passages to draw missing negatives from (their count), or 0 when filling is off."""
-        return len(self._r.passages) if self._r.fill == "random" else 0
+        return self._r.pool if self._r.fill == "random" else 0
 
     def passage(self, j):
         return self._r.passages[j]

@@ -154,6 +154,14 @@ def test_records_without_negatives_fail_by_default_and_fill_with_the_flag(tmp_pa
         assert len({tuple(data.sample_group(r, 4, data.group_rng(1, e, i))) for e in range(30)}) > 1
         fixed = data.fixed_group(r, 4)
         assert fixed == data.fixed_group(r, 4) and fixed[0] == f"positive {i}" and len(set(fixed)) == 4
+    # with --corpus, a file read later adds its inline texts to the shared store: the pool stays put
+    recs = bundled(3)
+    corpus = formats.read_corpus(write_corpus(tmp_path / "corpus.jsonl", recs)[0])
+    train = data.read_records(write_jsonl(tmp_path / "ids.jsonl", formats_of(recs)["NeMo ids"][0]), 2, corpus,
+                              fill="random")[0]
+    pool = train[0].fill_pool
+    data.read_records(write_jsonl(tmp_path / "val.jsonl", bundled(20)[10:]), 2, corpus)  # inline {"id", "text"}
+    assert len(corpus.texts) > pool == train[0].fill_pool
     too_few = write_jsonl(tmp_path / "small.jsonl", objs[:1])
     with pytest.raises(data.DataError, match="--fill-negatives random needs at least 3 passages"):
         data.read_records(too_few, 4, fill="random")

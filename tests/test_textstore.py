@@ -53,5 +53,5 @@ def test_record_views_read_what_was_added():
     assert scores[1] == ([0.5], []) and all(x != x for x in scores[0][0] + scores[0][1] + scores[2][0] + scores[2][1])
     assert recs[-1].pos == ["p1", "p2"] and recs[0].neg[1:] == ["p2"]
     assert recs[2].fill_pool == 0
-    recs.fill = "random"
+    recs.fill, recs.pool = "random", 4
     assert recs[2].fill_pool == 4
