@@ -70,7 +70,7 @@ def safe_load(path):
     """torch.load restricted to tensors and plain containers (weights_only): a pickle that would run
     code is refused with the file named, never executed."""
     try:
-        return torch.load(path, weights_only=True)
+        return torch.load(path, weights_only=True, map_location="cpu")  # not every rank onto cuda:0
     except pickle.UnpicklingError as e:
         raise SystemExit(f"{path}: refusing to load: not a plain tensor file, it may be tampered with "
                          f"(torch.load weights_only=True said: {str(e).splitlines()[0]})") from None

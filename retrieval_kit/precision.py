@@ -39,7 +39,7 @@ def resolve_storage_dtype(torch_dtype=None, force_fp32_params=False):
     explicit = parse_dtype(torch_dtype)
     if force_fp32_params:
         if explicit not in (None, torch.float32):
-            raise ValueError(f"--force-fp32-params conflicts with --torch-dtype {torch_dtype}")
+            raise SystemExit(f"--force-fp32-params conflicts with --torch-dtype {torch_dtype}: drop one of them")
         return torch.float32
     return explicit or torch.float32
 
@@ -49,6 +49,10 @@ def resolve(torch_dtype, force_fp32_params, compute_dtype, parallel):
     DDP the compute dtype is autocast's; under FSDP2 it is the MixedPrecisionPolicy's (mp_policy)."""
     storage = resolve_storage_dtype(torch_dtype, force_fp32_params)
     compute = parse_dtype(compute_dtype)
+    if torch.float16 in (storage, compute):  # issue 16: no loss scaling yet
+        flag = f"--torch-dtype {torch_dtype}" if storage == torch.float16 else f"--compute-dtype {compute_dtype}"
+        raise SystemExit(f"{flag}: fp16 needs loss scaling (a GradScaler), which the kit does not have yet; without "
+                         "it fp16 gradients underflow and overflowing steps stop the run. Use bf16 (or fp32)")
     return storage, compute, compute if parallel == "ddp" else None
 
 

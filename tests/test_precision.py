@@ -13,8 +13,12 @@ def test_resolve_storage_dtype():
     assert r("bf16") is torch.bfloat16  # explicit wins
     assert r(None, force_fp32_params=True) is torch.float32
     assert r("fp32", force_fp32_params=True) is torch.float32
-    with pytest.raises(ValueError, match="conflicts"):
+    with pytest.raises(SystemExit, match="--force-fp32-params conflicts with --torch-dtype bf16"):
         r("bf16", force_fp32_params=True)
+    for storage, compute, flag in (("fp16", None, "--torch-dtype fp16"), ("auto", "fp16", "--compute-dtype fp16")):
+        with pytest.raises(SystemExit, match=f"{flag}: fp16 needs loss scaling"):
+            precision.resolve(storage, False, compute, "ddp")
+    assert precision.resolve("auto", False, "bf16", "ddp") == (torch.float32, torch.bfloat16, torch.bfloat16)
     with pytest.raises(ValueError, match="unknown dtype"):
         precision.parse_dtype("fp8")
 
