@@ -80,14 +80,24 @@ def full_state_dict(module, all_ranks=False):
     """The module's state dict with plain full CPU tensors; collective under FSDP2 (DTensors gathered).
 
     Pass the raw HF module (not a wrapper): its keys are the Hugging Face ones, whatever wraps it.
-    Replicated (non-sharded) weights are only copied on rank 0, the one that writes them; other
-    ranks get None unless `all_ranks`.
+    Only rank 0, the one that writes them, gets the tensors (sharded ones gathered into its host
+    memory); other ranks get None unless `all_ranks` (then every rank gathers everything).
     """
     sharded = any(hasattr(p, "full_tensor") for p in unwrap(module).parameters())
     if not sharded and not all_ranks and _rank() != 0:
         return None
+    if sharded and not all_ranks:
+        # each shard gathered and offloaded to rank 0's host memory one tensor at a time: the other
+        # ranks never hold the full model (full_tensor() on every rank would, ~28 GB each at 7B fp32)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(unwrap(module), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if _rank() != 0:
+            return None
+    else:
+        state = unwrap(module).state_dict()
     out, seen = {}, set()
-    for k, v in unwrap(module).state_dict().items():
+    for k, v in state.items():
         if hasattr(v, "full_tensor"):
             v = v.full_tensor()
         v = v.detach().cpu()
