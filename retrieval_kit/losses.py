@@ -14,11 +14,15 @@ import torch.nn.functional as F
 
 
 def contrastive_scores(q, p, n_passages, in_batch=True):
-    """Similarity logits: (B, P) with in-batch negatives, (B, n_passages) without."""
-    if in_batch:
-        return q @ p.T  # (B, P)
-    groups = p.view(q.shape[0], n_passages, -1)  # (B, n, H)
-    return torch.einsum("bh,bnh->bn", q, groups)  # (B, n)
+    """Similarity logits in fp32, whatever the embeddings' dtype and any autocast around the call
+    (bf16 scores near cos 0.9 step by 0.004, a logit step of 0.08 at temperature 0.05):
+    (B, P) with in-batch negatives, (B, n_passages) without."""
+    with torch.autocast(q.device.type, enabled=False):
+        q, p = q.float(), p.float()
+        if in_batch:
+            return q @ p.T  # (B, P)
+        groups = p.view(q.shape[0], n_passages, -1)  # (B, n, H)
+        return torch.einsum("bh,bnh->bn", q, groups)  # (B, n)
 
 
 def contrastive_loss(q, p, n_passages, temperature=0.05, in_batch=True, label_offset=0):

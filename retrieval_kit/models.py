@@ -92,7 +92,9 @@ def encode(model, batch, pooling="avg", normalize=True):
     """Run the encoder on a tokenized batch and return (B, H) embeddings."""
     extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra)
-    reps = pool(out.last_hidden_state, batch["attention_mask"], pooling)
+    # pooled and normalized in fp32 whatever the compute dtype (bf16 under FSDP2's policy): embeddings
+    # rounded to bf16 would round the similarity logits too (issue 16)
+    reps = pool(out.last_hidden_state.float(), batch["attention_mask"], pooling)
     return F.normalize(reps, dim=-1) if normalize else reps
 
 
@@ -200,6 +202,26 @@ def fresh_head_params(model):
     return params
 
 
+class FP32Linear(torch.nn.Linear):
+    """A Linear computed in fp32 whatever autocast or the input and weight dtypes are (bf16 under
+    FSDP2's policy): the reranker's score head, so its logits are not rounded to bf16 - at logit 5 a
+    bf16 step is 0.03 (issue 16). Same keys and, in fp32, the same numbers as nn.Linear."""
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias)
+
+
+def fp32_head(model):
+    """Make the final linear head of a *ForSequenceClassification model compute in fp32, in place
+    (its class becomes FP32Linear; params, keys and the saved model are unchanged)."""
+    head = rerank_head(model)
+    if type(head) is torch.nn.Linear:
+        head.__class__ = FP32Linear
+    return head
+
+
 class CrossEncoder(torch.nn.Module):
     """A sequence-classification model scoring each (query, passage) pair with one logit.
 
@@ -215,6 +237,7 @@ class CrossEncoder(torch.nn.Module):
         if pooling not in RERANK_POOLING:
             raise ValueError(f"unknown pooling {pooling!r}; choose one of {RERANK_POOLING}")
         self.model, self.pooling = model, pooling
+        fp32_head(model)  # logits in fp32 under bf16 compute
         if pooling != "native":
             rerank_head(model)  # fail now, not at the first step
             if getattr(model.base_model, "pooler", None) is not None:

@@ -108,6 +108,12 @@ def max_diff(a, b):
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+def rel_norm(a, b):
+    """|a - b| / |b| over all the grads of two {name: grad} dicts."""
+    num = sum(((a[k].float() - b[k].float()) ** 2).sum().item() for k in b)
+    return (num / sum((b[k].float() ** 2).sum().item() for k in b)) ** 0.5
+
+
 def rank_spread(enc):
     """Max difference of the full params between ranks (0 when replicas agree)."""
     flat = torch.cat([v.float().flatten() for v in ckpt.full_state_dict(enc, all_ranks=True).values()])
@@ -151,7 +157,7 @@ def main():
         scale = max(g.abs().max().item() for g in r_grads.values())
         results[name] = {
             "grad_rel_diff": max((grads[k] - r_grads[k]).abs().max().item() for k in r_grads) / scale,
-            "param_diff": max_diff(ckpt.full_state_dict(enc, all_ranks=True), r_enc.state_dict()),
+            "param_diff": max_diff(ckpt.full_state_dict(enc, all_ranks=True), ckpt.full_state_dict(r_enc, all_ranks=True)),
             "loss_diff": max(abs(a - b) for a, b in zip(losses, r_losses)),
             "norm_rel_diff": max(abs(a - b) / b for a, b in zip(norms, r_norms)),
             "rank_spread": rank_spread(enc), "param_dtypes": sorted({str(p.dtype) for p in enc.parameters()}),
@@ -183,6 +189,16 @@ def main():
     # FSDP2 with bf16 compute: fp32 master weights, replicas agree, close to the fp32 reference
     compare("fsdp2_bf16_compute", run_bi(ctx, enc0, tok, steps, "fsdp2",
                                          kw={"mp_policy": precision.mp_policy(torch.bfloat16)}), ref)
+    # FSDP2's bf16 policy: embeddings and logits still fp32, and GradCache gives the plain step's
+    # loss and gradients (it re-runs the same bf16 forward per chunk)
+    bf16 = {"mp_policy": precision.mp_policy(torch.bfloat16)}
+    plain16 = run_bi(ctx, enc0, tok, steps, "fsdp2", kw=bf16)
+    cached16 = run_bi(ctx, enc0, tok, steps, "fsdp2", grad_cache=24, kw=bf16)
+    results["fsdp2_bf16_grad_cache_vs_plain"] = {  # first step: the weights have not moved apart yet
+        "loss_diff": abs(plain16[1][0] - cached16[1][0]), "loss_vs_fp32": abs(plain16[1][0] - ref[1][0]),
+        "grad_diff": rel_norm(cached16[3], plain16[3]), "plain_vs_fp32": rel_norm(plain16[3], ref[3]),
+        "cached_vs_fp32": rel_norm(cached16[3], ref[3]), "rank_spread": rank_spread(cached16[0]),
+        "param_dtypes": sorted({str(p.dtype) for p in cached16[0].parameters()})}
     # GradCache (chunks of 24 padded tokens) with gathered negatives, DDP and FSDP2, with accumulation
     compare("ddp_grad_cache", run_bi(ctx, enc0, tok, steps, "ddp", grad_cache=24), ref)
     compare("fsdp2_grad_cache", run_bi(ctx, enc0, tok, steps, "fsdp2", grad_cache=24), ref)
