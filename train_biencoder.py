@@ -92,7 +92,8 @@ def main():
     args = parse_args()
 
     # ----- distributed, seeds ------------------------------------------------------------------
-    ctx = dist.init()
+    ctx = dist.init(args.device, args.dist_backend, args.dist_timeout)
+    precision.device_defaults(args, ctx.device)  # what `auto` means here: compute dtype, TF32, chunking
     dist.seed_all(args.seed, ctx.rank)  # dropout differs per rank; data order comes from args.seed
 
     # ----- data: read and validate everything before any model is loaded -----------------------
@@ -106,7 +107,7 @@ def main():
                                                                      args.compute_dtype, args.parallel)
     model_dir = args.model or default_model_dir()
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
-    encoder = load_encoder(model_dir, storage_dtype, args.trust_remote_code).to(ctx.device)
+    encoder = load_encoder(model_dir, storage_dtype, args.trust_remote_code, args.attn_implementation).to(ctx.device)
     settings, read = resolve_biencoder_settings(model_dir, {k: getattr(args, k) for k in SETTING_KEYS})
     if read:  # what the model dir's sentence-transformers files set
         dist.print0(read)
@@ -152,7 +153,7 @@ def main():
                        ("loss", "loss_avg_window", "lr", "samples_per_s"), model_dir=model_dir,
                        storage_dtype=str(storage_dtype), settings=settings, gather_negatives=gather,
                        n_train=len(records), n_val=len(val_records), steps_per_epoch=dataset.steps_per_epoch,
-                       num_workers=workers,
+                       num_workers=workers, flops_per_token=log.flops_per_token(encoder),
                        summary=f"world {ctx.world_size} on {ctx.device}; {len(records)} train groups, "
                                f"{len(val_records)} val; {args.batch_size * ctx.world_size * args.grad_accum_steps} "
                                f"queries x {args.n_passages} passages per step; {args.parallel}, storage "

@@ -91,7 +91,8 @@ def main():
     args = parse_args()
 
     # ----- distributed, seeds ------------------------------------------------------------------
-    ctx = dist.init()
+    ctx = dist.init(args.device, args.dist_backend, args.dist_timeout)
+    precision.device_defaults(args, ctx.device)  # what `auto` means here: compute dtype, TF32, chunking
     dist.seed_all(args.seed, ctx.rank, torch_per_rank=False)  # the same fresh head on every rank
 
     # ----- data: read and validate everything before any model is loaded -----------------------
@@ -105,7 +106,7 @@ def main():
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
     if args.padding_side != "auto":
         tokenizer.padding_side = args.padding_side
-    net = load_reranker(model_dir, storage_dtype, args.trust_remote_code)
+    net = load_reranker(model_dir, storage_dtype, args.trust_remote_code, args.attn_implementation)
     setup_pad_token(tokenizer, net)
     if args.bidirectional:
         make_bidirectional(net)
@@ -163,6 +164,7 @@ def main():
                        ("loss", "loss_avg_window", "acc", "lr", "samples_per_s"), model_dir=model_dir,
                        storage_dtype=str(storage_dtype), tokenization=tok_settings, n_train=len(records),
                        n_val=len(val_records), steps_per_epoch=dataset.steps_per_epoch, num_workers=workers,
+                       flops_per_token=log.flops_per_token(net),
                        summary=f"world {ctx.world_size} on {ctx.device}; {len(records)} train groups, "
                                f"{len(val_records)} val; {args.batch_size * ctx.world_size * args.grad_accum_steps} "
                                f"queries x {args.n_passages} pairs per step; {args.parallel}, storage "

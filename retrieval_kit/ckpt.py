@@ -44,8 +44,8 @@ def rng_state():
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
              "torch": torch.get_rng_state()}  # tensors and plain types only: loads with weights_only=True
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this rank's device only: another layout at resume still fits
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
 
@@ -55,7 +55,7 @@ def set_rng_state(state):
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"], torch.cuda.current_device())
 
 
 def _fsync_dir(path):
@@ -263,7 +263,7 @@ RUN_NEUTRAL = {"output_dir", "resume", "overwrite_output_dir", "allow_changed_ar
                "val_every", "val_batch_size", "val_max_groups", "val_file", "val_n_passages", "ckpt_every",
                "keep_last", "num_workers", "eval_beir", "eval_k", "max_bad_steps", "static_graph", "bucket_cap_mb",
                "gradient_as_bucket_view", "broadcast_buffers", "find_unused_parameters", "reshard_after_forward",
-               "activation_checkpointing"}
+               "activation_checkpointing", "dist_backend", "dist_timeout"}
 
 
 def changed_args(saved, now, saved_world, world):

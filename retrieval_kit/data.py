@@ -292,9 +292,10 @@ def add_data_args(parser, data_dir, n_passages, batch_size, unit="passages"):
     g.add_argument("--batch-size", type=flags.positive_int, default=batch_size,
                    help=f"queries per rank per micro-batch (default {batch_size})")
     g.add_argument("--pad-to-multiple-of", type=flags.nonneg_int, default=8, help="round padded lengths up to this (0 = off)")
-    g.add_argument("--chunk-tokens", type=flags.nonneg_int, default=CHUNK_TOKENS,
+    g.add_argument("--chunk-tokens", type=flags.nonneg_int, default=None,
                    help="run each batch in length-sorted chunks of at most this many padded tokens, each "
-                        f"padded only to its own longest row; same loss and grads (0 = off; default {CHUNK_TOKENS})")
+                        "padded only to its own longest row; same loss and grads (0 = off; default "
+                        f"{CHUNK_TOKENS} on CPU, measured; 8192 on CUDA)")
     g.add_argument("--grad-cache", action="store_true",
                    help="GradCache: compute the batch's outputs without a graph, then recompute chunk by chunk "
                         "(--chunk-tokens) backpropagating the cached output grads; same loss and grads, memory "

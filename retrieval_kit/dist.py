@@ -35,22 +35,73 @@ class DistContext:
         return self.rank == 0
 
 
-def init():
-    """Start the process group: NCCL on CUDA, gloo on CPU; a world of 1 without torchrun."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "nccl"
-    else:
-        local_rank, device, backend = int(os.environ.get("LOCAL_RANK", 0)), torch.device("cpu"), "gloo"
+def choose_device(local_rank, local_world_size, device="auto", backend="auto", cuda_available=None,
+                  device_count=None):
+    """(torch.device, backend) of this process, from its local rank and the --device /
+    --dist-backend flags. CUDA index = local_rank % visible devices, so a launcher that gives each
+    process one visible GPU (CUDA_VISIBLE_DEVICES per rank) gets cuda:0 everywhere. NCCL needs a GPU
+    per process: more local ranks than visible GPUs is refused with the way out, not a hang."""
+    cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if device == "auto":
+        device = "cuda" if cuda_available else "cpu"
+    if device == "cuda" and not cuda_available:
+        raise SystemExit("--device cuda: no CUDA device is visible to this process")
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    if backend == "nccl" and device != "cuda":
+        raise SystemExit("--dist-backend nccl needs CUDA devices; on CPU use gloo (the default there)")
+    if device == "cpu":
+        return torch.device("cpu"), backend
+    count = torch.cuda.device_count() if device_count is None else device_count
+    if backend == "nccl" and 1 < count < local_world_size:
+        raise SystemExit(f"{local_world_size} processes on this node but {count} visible GPUs: NCCL needs one GPU "
+                         f"per process. Start at most {count} per node (--nproc_per_node), or pass --device cpu")
+    return torch.device("cuda", local_rank % count), backend
+
+
+def shared_gpus(hosts_and_gpus):
+    """The ranks that share one GPU, from every rank's (host, GPU uuid): [[rank, ...], ...]. With
+    one visible GPU per process the index alone cannot tell a per-rank CUDA_VISIBLE_DEVICES from
+    several ranks on the only GPU, which NCCL does not allow."""
+    by_gpu = {}
+    for rank, key in enumerate(hosts_and_gpus):
+        by_gpu.setdefault(tuple(key), []).append(rank)
+    return [ranks for ranks in by_gpu.values() if len(ranks) > 1]
+
+
+def _check_one_gpu_per_rank(device):
+    import socket
+
+    mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    shared = shared_gpus(every)
+    if shared:
+        raise SystemExit(f"ranks {shared[0]} run on the same GPU ({every[shared[0][0]][0]}: {device}): NCCL needs "
+                         "one GPU per process. Start as many processes per node as it has GPUs, or pass --device cpu")
+
+
+def init(device="auto", backend="auto", timeout_minutes=None):
+    """Start the process group (NCCL on CUDA, gloo on CPU, or as --dist-backend says; a world of 1
+    on an in-memory store without torchrun) and make this rank's device current (choose_device).
+    `timeout_minutes`: how long a collective or barrier waits (--dist-timeout; None = torch's)."""
+    import datetime
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    dev, backend = choose_device(local_rank, local_world, device, backend)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    kw = {"timeout": datetime.timedelta(minutes=timeout_minutes)} if timeout_minutes else {}
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+            dist.init_process_group(backend=backend, device_id=dev if backend == "nccl" else None, **kw)
+            if backend == "nccl" and dist.get_world_size() > 1:
+                _check_one_gpu_per_rank(dev)
         else:
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
         atexit.register(release_at_exit)
-    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, dev)
 
 
 def seed_all(seed, rank, torch_per_rank=True):
@@ -155,6 +206,13 @@ def gather_with_grad(t):
 def add_dist_args(parser):
     """Every DDP and FSDP2 knob, plus activation checkpointing and compile (same flags in both scripts)."""
     g = parser.add_argument_group("distributed")
+    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: CUDA when visible (GPU = LOCAL_RANK %% visible GPUs), else CPU (default auto)")
+    g.add_argument("--dist-backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="process-group backend (default auto: nccl on CUDA, gloo on CPU)")
+    g.add_argument("--dist-timeout", type=flags.positive_float, default=30.0,
+                   help="minutes a collective or barrier waits before the run fails, e.g. ranks waiting while "
+                        "rank 0 writes a large checkpoint (default 30)")
     g.add_argument("--parallel", choices=("ddp", "fsdp2"), default="ddp",
                    help="ddp: replicate params, all-reduce grads; fsdp2: shard params, grads and optimizer "
                         "state with fully_shard on each transformer layer, then the root (default ddp)")

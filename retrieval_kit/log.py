@@ -34,10 +34,47 @@ def run_header(args, world_size, device):
     }
 
 
+# Dense bf16 tensor-core peak per GPU, TFLOP/s (vendor datasheets, SXM parts where there are
+# several); matched against the device name, longest key first. MFU is reported against it.
+PEAK_BF16_TFLOPS = {"B200": 2250, "H200": 989, "H100": 989, "GH200": 989, "H800": 989, "A100": 312, "A800": 312,
+                    "L40S": 362, "L40": 181, "L4": 121, "A10G": 70, "A10": 125, "A6000": 155, "4090": 165}
+
+
+def device_info(device):
+    """What the run header records of the accelerator: GPU name, memory, capability, CUDA and NCCL
+    versions, visible GPUs, and the bf16 peak used for MFU (None when the GPU is not in the table)."""
+    if device.type != "cuda":
+        return {"type": device.type, "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count()}
+    props = torch.cuda.get_device_properties(device)
+    nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
+    name = props.name
+    peak = next((v for k, v in sorted(PEAK_BF16_TFLOPS.items(), key=lambda kv: -len(kv[0])) if k in name), None)
+    return {"type": "cuda", "name": name, "memory_gib": round(props.total_memory / 2 ** 30, 1),
+            "capability": f"{props.major}.{props.minor}", "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl, "visible_gpus": torch.cuda.device_count(),
+            "bf16": torch.cuda.is_bf16_supported(), "peak_bf16_tflops": peak}
+
+
+def flops_per_token(model):
+    """Model FLOPs of a training step per (non-pad) token: 6 x the trained params outside embedding
+    tables (forward 2N, backward 4N; Kaplan et al. 2020). Attention's own FLOPs (which grow with length)
+    and GradCache's extra forward are not counted, so the MFU it gives is a lower bound."""
+    emb = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    return 6 * sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in emb)
+
+
+def mfu(tokens_per_s, flops_per_token, peak_tflops, world_size):
+    """Model-FLOPs utilisation of all ranks against `peak_tflops` per rank (None without a peak)."""
+    if not peak_tflops or not flops_per_token:
+        return None
+    return tokens_per_s * flops_per_token / (peak_tflops * 1e12 * world_size)
+
+
 def start(args, ctx, output_dir, max_steps, start_step, log_every, bar_keys, summary, **header):
     """run_header.json (plus `header`) and a Logger at `start_step`, on rank 0; prints `summary`."""
     full = run_header(args, ctx.world_size, ctx.device)
     full.update(header)
+    full["accelerator"] = device_info(ctx.device)
     logger = Logger(output_dir, full, max_steps, start_step, enabled=ctx.is_main, bar_keys=bar_keys, log_every=log_every)
     if ctx.is_main:
         print(summary, flush=True)
@@ -70,6 +107,8 @@ class Logger:
 
     def __init__(self, out_dir, header, total_steps, initial_step=0, enabled=True, bar_keys=(), log_every=1):
         self.enabled, self.total_steps, self.log_every = enabled, total_steps, log_every
+        self.flops = (header.get("flops_per_token"), (header.get("accelerator") or {}).get("peak_bf16_tflops"),
+                      header.get("world_size", 1))
         self.bar_keys = bar_keys
         self.writer = self.jsonl = self.bar = None
         if not enabled:
@@ -100,6 +139,10 @@ class Logger:
     def log_step(self, step, scalars):
         """After training step `step`: its train scalars every `log_every` steps and at the last; the bar moves on."""
         if step % self.log_every == 0 or step == self.total_steps:
+            if "tokens_per_s" in scalars and self.flops[0]:
+                scalars = {**scalars, "model_tflops_per_s": scalars["tokens_per_s"] * self.flops[0] / 1e12}
+                if self.flops[1]:
+                    scalars["mfu"] = mfu(scalars["tokens_per_s"], self.flops[0], self.flops[1], self.flops[2])
             self.log(step, scalars)
         self.advance()
 

@@ -61,10 +61,16 @@ def load_tokenizer(path, trust_remote_code=False):
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
-def load_encoder(path, dtype=torch.float32, trust_remote_code=False):
+def attn_kwargs(attn_implementation):
+    """from_pretrained kwargs for --attn-implementation (`auto`/None: transformers' own choice)."""
+    return {} if attn_implementation in (None, "auto") else {"attn_implementation": attn_implementation}
+
+
+def load_encoder(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None):
     """Load any Hugging Face encoder directory with AutoModel, in `dtype`."""
     with loading(path, "model"):
-        model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                          **attn_kwargs(attn_implementation))
     if dtype is not None and any(p.dtype != dtype for p in model.parameters()):
         model.to(dtype)  # some configs pin a dtype; the resolved storage dtype wins
     if getattr(model, "pooler", None) is not None:
@@ -166,13 +172,13 @@ def is_decoder_only(config):
     return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
-def load_reranker(path, dtype=torch.float32, trust_remote_code=False):
+def load_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None):
     """AutoModelForSequenceClassification with one logit; an encoder checkpoint gets a fresh head."""
     from transformers import AutoModelForSequenceClassification
 
     with loading(path, "model"):
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code)
+            path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code, **attn_kwargs(attn_implementation))
     if dtype is not None and any(p.dtype != dtype for p in model.parameters()):
         model.to(dtype)
     return model

@@ -1,0 +1,160 @@
+"""The GPU path's choices, checked on CPU with a mocked CUDA: device and backend per rank, CUDA RNG
+state of the current device only, the `auto` defaults per device, the FLOPs count behind MFU, and
+the autograd gather importing on its own (issue 16)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from retrieval_kit import ckpt, dist, log, precision
+from tests.conftest import ROOT
+
+
+@pytest.mark.parametrize("local_rank,local_world,count,expect", [
+    (3, 8, 8, "cuda:3"),  # one process per GPU, all visible
+    (5, 8, 1, "cuda:0"),  # a launcher that gives each process one visible GPU (CUDA_VISIBLE_DEVICES per rank)
+    (5, 4, 4, "cuda:1"),  # local_rank % visible GPUs
+])
+def test_device_is_the_local_rank_modulo_the_visible_gpus(local_rank, local_world, count, expect):
+    device, backend = dist.choose_device(local_rank, local_world, cuda_available=True, device_count=count)
+    assert str(device) == expect and backend == "nccl"
+
+
+def test_backend_and_device_flags():
+    assert dist.choose_device(0, 2, cuda_available=False) == (torch.device("cpu"), "gloo")
+    assert dist.choose_device(1, 2, device="cpu", cuda_available=True, device_count=2) == (torch.device("cpu"), "gloo")
+    assert dist.choose_device(1, 2, backend="gloo", cuda_available=True, device_count=2) == (torch.device("cuda", 1), "gloo")
+    with pytest.raises(SystemExit, match="--device cuda"):
+        dist.choose_device(0, 1, device="cuda", cuda_available=False)
+    with pytest.raises(SystemExit, match="--dist-backend nccl"):
+        dist.choose_device(0, 1, backend="nccl", cuda_available=False)
+    with pytest.raises(SystemExit, match="8 processes on this node but 2 visible GPUs"):
+        dist.choose_device(0, 8, cuda_available=True, device_count=2)
+    # gloo may share a GPU between ranks; NCCL may not
+    assert dist.choose_device(7, 8, backend="gloo", cuda_available=True, device_count=2)[0] == torch.device("cuda", 1)
+
+
+def test_ranks_sharing_a_gpu_are_found():
+    every = [("n1", "GPU-a"), ("n1", "GPU-b"), ("n2", "GPU-a"), ("n1", "GPU-a")]  # same uuid on two hosts is fine
+    assert dist.shared_gpus(every) == [[0, 3]]
+    assert dist.shared_gpus([("n1", "GPU-a"), ("n1", "GPU-b")]) == []
+
+
+class FakeCuda:
+    """torch.cuda's RNG calls on a machine with `count` GPUs, `current` the rank's own."""
+
+    def __init__(self, count, current):
+        self.count, self.current, self.states, self.calls = count, current, {}, []
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: self.count)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+
+        def get(device="cuda"):
+            self.calls.append(("get", device))
+            return torch.full((4,), float(device), dtype=torch.uint8) if isinstance(device, int) else None
+
+        def set_(state, device="cuda"):
+            self.calls.append(("set", device))
+            self.states[device] = state
+
+        def all_(*a):
+            raise AssertionError("the RNG state of every visible GPU was read: resume needs this rank's only")
+        monkeypatch.setattr(torch.cuda, "get_rng_state", get)
+        monkeypatch.setattr(torch.cuda, "set_rng_state", set_)
+        monkeypatch.setattr(torch.cuda, "get_rng_state_all", all_)
+        monkeypatch.setattr(torch.cuda, "set_rng_state_all", all_)
+
+
+def test_cuda_rng_state_is_the_current_devices_and_restores_onto_it(monkeypatch):
+    saved_on = FakeCuda(count=8, current=5)
+    saved_on.install(monkeypatch)
+    state = ckpt.rng_state()
+    assert saved_on.calls == [("get", 5)] and state["cuda"].tolist() == [5] * 4
+    resumed_on = FakeCuda(count=1, current=0)  # fewer visible GPUs at resume: rank 5 now sees its GPU as cuda:0
+    resumed_on.install(monkeypatch)
+    ckpt.set_rng_state(state)
+    assert resumed_on.calls == [("set", 0)] and resumed_on.states[0].tolist() == [5] * 4
+
+
+class Args:
+    def __init__(self, **kw):
+        self.compute_dtype, self.tf32, self.chunk_tokens = "auto", None, None
+        self.__dict__.update(kw)
+
+
+def test_auto_defaults_on_cpu_change_nothing():
+    args = precision.device_defaults(Args(), torch.device("cpu"))
+    assert (args.compute_dtype, args.tf32, args.chunk_tokens) == ("none", False, 1024)
+    explicit = precision.device_defaults(Args(compute_dtype="bf16", chunk_tokens=0, tf32=False), torch.device("cpu"))
+    assert (explicit.compute_dtype, explicit.chunk_tokens) == ("bf16", 0)
+    with pytest.raises(SystemExit, match="--tf32"):
+        precision.device_defaults(Args(tf32=True), torch.device("cpu"))
+
+
+def test_auto_defaults_on_cuda_are_bf16_compute_tf32_and_larger_chunks(monkeypatch):
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        for bf16, compute in ((True, "bf16"), (False, "none")):  # a GPU without bf16 (V100) computes in fp32
+            monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, bf16=bf16, **k: bf16)
+            args = precision.device_defaults(Args(), torch.device("cuda", 0))
+            assert (args.compute_dtype, args.tf32, args.chunk_tokens) == (compute, True, 8192)
+            assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        precision.device_defaults(Args(tf32=False), torch.device("cuda", 0))
+        assert not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+    storage, compute, autocast = precision.resolve("auto", True, "bf16", "fsdp2")
+    assert (storage, compute, autocast) == (torch.float32, torch.bfloat16, None)  # fp32 master weights
+
+
+def test_flops_per_token_counts_six_per_trained_non_embedding_param(tiny_model_dir):
+    from retrieval_kit.models import load_encoder
+
+    enc = load_encoder(tiny_model_dir)  # its BERT pooler is frozen (our pooling replaces it)
+    by_hand = 0
+    for name, p in enc.named_parameters():
+        if "embeddings." in name and name.endswith("embeddings.weight") or not p.requires_grad:
+            continue
+        by_hand += p.numel()
+    assert log.flops_per_token(enc) == 6 * by_hand
+    # 1e5 tokens/s on 2 ranks of a 989-TFLOP/s GPU
+    assert log.mfu(1e5, 6e9, 989, 2) == pytest.approx(1e5 * 6e9 / (2 * 989e12))
+    assert log.mfu(1e5, 6e9, None, 2) is None
+    info = log.device_info(torch.device("cpu"))
+    assert info["type"] == "cpu" and info["cpus"] == os.cpu_count()
+
+
+def test_the_autograd_gather_imports_and_runs_on_its_own(tmp_path):
+    """Only retrieval_kit.dist imported (no DDP, no FSDP first): gather_with_grad on 2 gloo ranks,
+    its backward summing each rank's slice of the gradient."""
+    script = tmp_path / "gather.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {ROOT!r})
+        import torch
+        import torch.distributed as tdist
+        from retrieval_kit.dist import gather_with_grad
+
+        def main(rank):
+            tdist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=rank, world_size=2)
+            x = torch.full((2, 3), float(rank + 1), requires_grad=True)
+            y = gather_with_grad(x)  # (4, 3): rank 0's rows, then rank 1's
+            (y * torch.arange(4.0).view(4, 1)).sum().backward()
+            # every rank's loss uses all rows: the grad of my rows is the sum over the 2 ranks
+            expect = 2 * torch.arange(4.0).view(4, 1)[2 * rank:2 * rank + 2].expand(2, 3)
+            assert y[:, 0].tolist() == [1, 1, 2, 2] and torch.equal(x.grad, expect), (y, x.grad)
+            tdist.destroy_process_group()
+
+        if __name__ == "__main__":
+            torch.multiprocessing.spawn(main, nprocs=2)
+        """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
