@@ -64,6 +64,25 @@ def score_groups(model, tokenizer, queries, groups, settings, batch_size=16, dev
     return torch.cat(out)
 
 
+def encode_shard(model, tokenizer, texts, max_length, prefix="", batch_size=64, pooling="avg", normalize=True,
+                 device="cpu", progress=False, desc="encode"):
+    """This rank's contiguous shard of `texts` (data.shard) embedded: ((n_own, H) float32 on CPU,
+    index of its first text in `texts`). Every rank runs the same number of batches (a short shard
+    repeats a text, dropped after), as FSDP2's collective forwards need."""
+    import torch.distributed as tdist
+
+    from .data import shard
+
+    world = tdist.get_world_size() if tdist.is_initialized() else 1
+    rank = tdist.get_rank() if tdist.is_initialized() else 0
+    per = -(-len(texts) // world)
+    own = shard(texts, rank, world)
+    padded = own + [texts[-1]] * (per - len(own)) if texts else []
+    mine = encode_texts(model, tokenizer, padded, max_length, prefix, batch_size, pooling, normalize, device,
+                        progress and rank == 0, desc)
+    return mine[:len(own)], min(rank * per, len(texts))
+
+
 def encode_sharded(model, tokenizer, texts, max_length, prefix="", batch_size=64, pooling="avg", normalize=True,
                    device="cpu", progress=False, desc="encode"):
     """encode_texts split over the ranks of the process group, gathered back in order on every rank."""
@@ -75,12 +94,9 @@ def encode_sharded(model, tokenizer, texts, max_length, prefix="", batch_size=64
     if world == 1:
         return encode_texts(model, tokenizer, texts, max_length, prefix, batch_size, pooling, normalize, device,
                             progress, desc)
-    rank = tdist.get_rank()
+    mine, _ = encode_shard(model, tokenizer, texts, max_length, prefix, batch_size, pooling, normalize, device,
+                           progress, desc)
     per = -(-len(texts) // world)
-    own = shard(texts, rank, world)
-    padded_texts = own + [texts[-1]] * (per - len(own))  # same batch count on every rank (FSDP2 forwards are collective)
-    mine = encode_texts(model, tokenizer, padded_texts, max_length, prefix, batch_size, pooling,
-                        normalize, device, progress and rank == 0, desc)[:len(own)]
     dim = torch.tensor([mine.shape[1] if mine.numel() else 0], device=device)
     tdist.all_reduce(dim, op=tdist.ReduceOp.MAX)
     padded = torch.zeros(per, int(dim), device=device)

@@ -5,8 +5,9 @@
         --reranker runs/reranker/final --rerank-top-k 10
     torchrun --nproc_per_node=2 -m retrieval_kit.evaluate --model ... --beir ...   # corpus split over ranks
 
-The corpus is encoded sorted by length in batches, split over ranks under torchrun; search is
-exact (inner product) in chunks, so the full query x corpus score matrix is never built. Metrics
+The corpus is encoded sorted by length in batches; under torchrun each rank encodes and searches
+its own shard on its device and the per-shard top k are merged. Search is exact (inner product)
+in chunks, so the full query x corpus score matrix is never built. Metrics
 follow trec_eval: nDCG@10, MRR@10, Recall@10, Recall@100, MAP@100, graded qrels honoured.
 Model dirs exported by the scripts bring their pooling, normalization, prefixes, max lengths and
 reranker tokenization (retrieval_kit.json); a plain HF dir gets the flags' values.
@@ -21,11 +22,11 @@ import torch
 from . import dist, flags
 from .data import shard
 from .formats import read_corpus, read_qrels, read_queries
-from .encode import encode_sharded, score_groups
+from .encode import encode_shard, encode_sharded, score_groups
 from .export import load_exported_reranker
 from .metrics import rank_docs, retrieval_metrics
 from .models import default_model_dir, load_encoder, load_tokenizer
-from .search import exact_topk
+from .search import sharded_topk
 from .st_format import resolve_biencoder_settings
 
 
@@ -68,15 +69,17 @@ def biencoder_settings(model_dir, flags):
 
 
 def retrieve(model, tokenizer, settings, beir, k=100, batch_size=64, device="cpu", progress=False):
-    """Bi-encoder stage: {qid: {doc id: score}} with each judged query's top k docs."""
+    """Bi-encoder stage: {qid: {doc id: score}} with each judged query's top k docs. Under torchrun
+    each rank encodes and searches its own shard of the corpus on its device and the per-shard
+    top k are merged (search.sharded_topk): no rank gathers the whole corpus's embeddings."""
     ids, texts, queries, qrels = beir
     qids = [q for q in queries if q in qrels]
-    p_emb = encode_sharded(model, tokenizer, texts, settings["passage_max_length"], settings["passage_prefix"],
-                           batch_size, settings["pooling"], settings["normalize"], device, progress, "corpus")
+    p_own, offset = encode_shard(model, tokenizer, texts, settings["passage_max_length"], settings["passage_prefix"],
+                                 batch_size, settings["pooling"], settings["normalize"], device, progress, "corpus")
     q_emb = encode_sharded(model, tokenizer, [queries[q] for q in qids], settings["query_max_length"],
                            settings["query_prefix"], batch_size, settings["pooling"], settings["normalize"], device,
                            progress, "queries")
-    scores, idx = exact_topk(q_emb, p_emb, k)
+    scores, idx = sharded_topk(q_emb, p_own, offset, k, len(texts), device)
     return {q: {ids[j]: s for s, j in zip(scores[i].tolist(), idx[i].tolist())} for i, q in enumerate(qids)}
 
 

@@ -257,6 +257,20 @@ def main():
     results["sharded_encoding_fsdp2"] = {
         "max_diff": (whole - encode_sharded(fsdp_model, tok, texts, 48, batch_size=8)).abs().max().item()}
 
+    # ----- search split over ranks (each its shard, top k merged) equals one exact search ---------
+    from retrieval_kit.search import exact_topk, sharded_topk
+    gen = torch.Generator().manual_seed(3)  # the same embeddings on both ranks
+    q_all = torch.randn(11, 16, generator=gen)
+    worst, same_idx = 0.0, True
+    for n_docs, k in ((37, 5), (37, 25), (3, 10), (1, 4)):  # k above a shard's size; rank 1's shard empty
+        p_all = torch.randn(n_docs, 16, generator=gen)
+        per = -(-n_docs // ctx.world_size)
+        own = p_all[ctx.rank * per:(ctx.rank + 1) * per]
+        s, i = sharded_topk(q_all, own, min(ctx.rank * per, n_docs), k, n_docs)
+        ref_s, ref_i = exact_topk(q_all, p_all, k)
+        worst, same_idx = max(worst, (s - ref_s).abs().max().item()), same_idx and torch.equal(i, ref_i)
+    results["sharded_topk"] = {"max_diff": worst, "same_indices": same_idx}
+
     # ----- saved keys do not depend on the wrapper ------------------------------------------------
     keys = {}
     for wrap in ("none", "ddp", "fsdp2", "compile"):
