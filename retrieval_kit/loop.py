@@ -164,9 +164,12 @@ def finish_step(model, optimizer, scheduler, state, sums, stop_requested, max_gr
     if math.isfinite(loss):
         state.loss_avg.update(loss)  # a skipped step stays out of the window
     dt = time.perf_counter() - sums.t0
-    return {"loss": loss, "loss_avg_window": state.loss_avg.value, "acc": acc, "lr": lr, "grad_norm": grad_norm,
-            "skipped_steps": state.skipped, "samples_per_s": sums.queries * dist.world_size() / dt,
-            "tokens_per_s": tokens * dist.world_size() / dt}
+    scalars = {"loss": loss, "loss_avg_window": state.loss_avg.value, "acc": acc, "lr": lr, "grad_norm": grad_norm,
+               "skipped_steps": state.skipped, "samples_per_s": sums.queries * dist.world_size() / dt,
+               "tokens_per_s": tokens * dist.world_size() / dt}
+    if device.type == "cuda":  # this rank's high-water mark so far (a host-side counter: no sync)
+        scalars["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+    return scalars
 
 
 def eval_due(step, start_step, every, last_step):
