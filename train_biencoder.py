@@ -20,7 +20,7 @@ from retrieval_kit.collate import biencoder_inputs
 from retrieval_kit.export import export_model
 from retrieval_kit.losses import contrastive_loss, contrastive_scores
 from retrieval_kit.metrics import WindowedAverage, retrieval_metrics, top1
-from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder, load_tokenizer
+from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder, load_once, load_tokenizer
 from retrieval_kit.st_format import SETTING_KEYS, resolve_biencoder_settings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -107,20 +107,22 @@ def main():
                                                                      args.compute_dtype, args.parallel)
     model_dir = args.model or default_model_dir()
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
-    encoder = load_encoder(model_dir, storage_dtype, args.trust_remote_code, args.attn_implementation).to(ctx.device)
+    encoder, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
+        functools.partial(load_encoder, model_dir, storage_dtype, args.trust_remote_code, args.attn_implementation),
+        args.parallel == "fsdp2", ctx)
     settings, read = resolve_biencoder_settings(model_dir, {k: getattr(args, k) for k in SETTING_KEYS})
     if read:  # what the model dir's sentence-transformers files set
         dist.print0(read)
     resume_dir = ckpt.start_run(args, ctx.world_size)  # one run per folder; a checkpoint that verifies
-    if resume_dir:
-        ckpt.restore_model(encoder, resume_dir, storage_dtype)
+    if resume_dir and source is not None:
+        ckpt.restore_model(source, resume_dir, storage_dtype)
 
     # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------
     model, eval_model = dist.wrap(
         BiEncoder(encoder, settings["pooling"], settings["normalize"]), encoder, ctx, args.parallel,
         args.activation_checkpointing, args.compile, precision.mp_policy(compute_dtype), args.reshard_after_forward,
         args.broadcast_buffers, args.find_unused_parameters, args.static_graph, args.bucket_cap_mb,
-        args.gradient_as_bucket_view)
+        args.gradient_as_bucket_view, source)
 
     # ----- optimizer, schedule; resume, part 2: optimizer -> scheduler -> loop state ------------
     optimizer = optim.build_optimizer(optim.param_groups(encoder, args.weight_decay), args.lr,

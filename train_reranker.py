@@ -23,8 +23,8 @@ from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, pair_layout, rerank_in
 from retrieval_kit.export import export_reranker, kit_only_reasons
 from retrieval_kit.losses import RERANK_LOSSES, listwise_loss
 from retrieval_kit.metrics import WindowedAverage, top1
-from retrieval_kit.models import (CrossEncoder, default_model_dir, fresh_head_params, is_decoder_only, load_reranker,
-                                  load_tokenizer, make_bidirectional, setup_pad_token)
+from retrieval_kit.models import (CrossEncoder, default_model_dir, fresh_head_params, is_decoder_only, load_once,
+                                  load_reranker, load_tokenizer, make_bidirectional, setup_pad_token)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -106,11 +106,12 @@ def main():
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
     if args.padding_side != "auto":
         tokenizer.padding_side = args.padding_side
-    net = load_reranker(model_dir, storage_dtype, args.trust_remote_code, args.attn_implementation)
+    net, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
+        functools.partial(load_reranker, model_dir, storage_dtype, args.trust_remote_code, args.attn_implementation),
+        args.parallel == "fsdp2", ctx)
     setup_pad_token(tokenizer, net)
     if args.bidirectional:
         make_bidirectional(net)
-    net.to(ctx.device)
     template = args.prompt_template
     if template == "auto":
         template = DEFAULT_TEMPLATE if is_decoder_only(net.config) else PAIR
@@ -123,14 +124,14 @@ def main():
                     "AutoModelForSequenceClassification or CrossEncoder")
     torch.manual_seed(args.seed + ctx.rank)  # from here on (dropout) each rank draws its own numbers
     resume_dir = ckpt.start_run(args, ctx.world_size)  # one run per folder; a checkpoint that verifies
-    if resume_dir:
-        ckpt.restore_model(net, resume_dir, storage_dtype)
+    if resume_dir and source is not None:
+        ckpt.restore_model(source, resume_dir, storage_dtype)
 
     # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------
     model, eval_model = dist.wrap(
         CrossEncoder(net, args.pooling), net, ctx, args.parallel, args.activation_checkpointing, args.compile,
         precision.mp_policy(compute_dtype), args.reshard_after_forward, args.broadcast_buffers,
-        args.find_unused_parameters, args.static_graph, args.bucket_cap_mb, args.gradient_as_bucket_view)
+        args.find_unused_parameters, args.static_graph, args.bucket_cap_mb, args.gradient_as_bucket_view, source)
 
     # ----- optimizer, schedule; resume, part 2: optimizer -> scheduler -> loop state ------------
     groups = optim.scale_lr(optim.param_groups(net, args.weight_decay), fresh_head_params(net), args.lr, args.head_lr_mult)

@@ -264,11 +264,12 @@ def wrap_ddp(model, ctx, broadcast_buffers=True, find_unused_parameters=False, s
 
 def wrap(module, hf_model, ctx, parallel="ddp", activation_checkpointing=False, compile=False, mp_policy=None,
          reshard_after_forward=True, broadcast_buffers=True, find_unused_parameters=False, static_graph=False,
-         bucket_cap_mb=25.0, gradient_as_bucket_view=False):
+         bucket_cap_mb=25.0, gradient_as_bucket_view=False, source=None):
     """The wrap order of both scripts: activation checkpointing -> compile (each transformer layer
     of `hf_model`, in place, so no `_orig_mod.` in any key) -> FSDP2 (fully_shard each layer, then
     `module`) or DDP (a world of 1 too). Returns (model to train, model to evaluate: DDP's inner
-    module, so validation does no DDP bookkeeping)."""
+    module, so validation does no DDP bookkeeping). FSDP2 of a model built on the meta device
+    (models.load_once): its shards are then filled from `source`, rank 0's loaded copy (materialize)."""
     if activation_checkpointing:
         enable_activation_checkpointing(hf_model)
     if compile:
@@ -276,10 +277,34 @@ def wrap(module, hf_model, ctx, parallel="ddp", activation_checkpointing=False, 
             layer.compile()
     if parallel == "fsdp2":
         model = wrap_fsdp2(module, transformer_layers(hf_model), mp_policy, reshard_after_forward)
+        if any(p.is_meta for p in hf_model.parameters()):
+            materialize(model, hf_model, source, ctx.device)
         return model, model
     model = wrap_ddp(module, ctx, broadcast_buffers=broadcast_buffers, find_unused_parameters=find_unused_parameters,
                      static_graph=static_graph, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view)
     return model, model.module
+
+
+def materialize(model, hf_model, source, device):
+    """A model built on the meta device and sharded with fully_shard gets its memory on `device`
+    (each rank its shards only) and its values from `source`, the full model rank 0 loaded on the
+    CPU (None on the other ranks): set_model_state_dict broadcasts it tensor by tensor from rank 0
+    (broadcast_from_rank0) and each rank keeps its shard. Buffers (BERT's position ids, a
+    decoder's rotary frequencies: not all in the state dict) are copied on rank 0 and broadcast."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if (source is None) == is_main():
+        raise ValueError("materialize: rank 0, and only rank 0, passes the loaded model as `source`")
+    model.to_empty(device=device)
+    full = source.state_dict() if source is not None else {}
+    set_model_state_dict(hf_model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    loaded = dict(source.named_buffers()) if source is not None else {}
+    with torch.no_grad():
+        for name, buf in hf_model.named_buffers():
+            if source is not None:
+                buf.copy_(loaded[name])
+            if world_size() > 1:
+                dist.broadcast(buf, src=0)
 
 
 def unwrap(model):

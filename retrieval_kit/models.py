@@ -66,11 +66,39 @@ def attn_kwargs(attn_implementation):
     return {} if attn_implementation in (None, "auto") else {"attn_implementation": attn_implementation}
 
 
-def load_encoder(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None):
-    """Load any Hugging Face encoder directory with AutoModel, in `dtype`."""
+def on_meta(auto_class, path, dtype, trust_remote_code=False, attn_implementation=None, **config_kw):
+    """`auto_class` built from the dir's config on the meta device: the module tree and shapes of
+    from_pretrained's model, no memory and no weights (FSDP2 fills them from rank 0: load_once).
+    The RNG is left as it was."""
+    from transformers import AutoConfig
+
+    with loading(path, "model config"):
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **config_kw)
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = auto_class.from_config(config, trust_remote_code=trust_remote_code, **attn_kwargs(attn_implementation))
+    return model.to(dtype) if dtype is not None else model
+
+
+def load_once(load, fsdp2, ctx):
+    """(model to train, where its weights come from). DDP: `load()` on every rank, moved to its
+    device; both are that model. FSDP2: every rank builds `load(meta=True)` (no memory) and rank 0
+    alone loads the weights, on the CPU, so no rank holds a second full copy on its GPU and the
+    others none in host memory; dist.wrap shards the meta model, then broadcasts rank 0's weights
+    into the shards (dist.materialize). A resume restores into the source (ckpt.restore_model)."""
+    if not fsdp2:
+        model = load().to(ctx.device)
+        return model, model
+    return load(meta=True), (load() if ctx.is_main else None)
+
+
+def load_encoder(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False):
+    """Load any Hugging Face encoder directory with AutoModel, in `dtype` (`meta`: built on the meta device)."""
     with loading(path, "model"):
-        model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                          **attn_kwargs(attn_implementation))
+        if meta:
+            model = on_meta(AutoModel, path, dtype, trust_remote_code, attn_implementation)
+        else:
+            model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                              **attn_kwargs(attn_implementation))
     if dtype is not None and any(p.dtype != dtype for p in model.parameters()):
         model.to(dtype)  # some configs pin a dtype; the resolved storage dtype wins
     if getattr(model, "pooler", None) is not None:
@@ -172,13 +200,18 @@ def is_decoder_only(config):
     return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
-def load_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None):
-    """AutoModelForSequenceClassification with one logit; an encoder checkpoint gets a fresh head."""
+def load_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False):
+    """AutoModelForSequenceClassification with one logit; an encoder checkpoint gets a fresh head
+    (`meta`: built on the meta device)."""
     from transformers import AutoModelForSequenceClassification
 
     with loading(path, "model"):
-        model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code, **attn_kwargs(attn_implementation))
+        if meta:
+            model = on_meta(AutoModelForSequenceClassification, path, dtype, trust_remote_code, attn_implementation,
+                            num_labels=1)
+        else:
+            model = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code, **attn_kwargs(attn_implementation))
     if dtype is not None and any(p.dtype != dtype for p in model.parameters()):
         model.to(dtype)
     return model

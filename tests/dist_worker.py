@@ -271,6 +271,36 @@ def main():
         worst, same_idx = max(worst, (s - ref_s).abs().max().item()), same_idx and torch.equal(i, ref_i)
     results["sharded_topk"] = {"max_diff": worst, "same_indices": same_idx}
 
+    # ----- FSDP2 from the meta device: rank 0 alone loads, the shards get its weights ------------
+    import functools
+    from retrieval_kit.models import load_once
+    for kind, loader in (("biencoder", load_encoder), ("reranker", load_reranker)):
+        torch.manual_seed(100 + ctx.rank)  # a fresh head drawn differently on each rank: rank 0's must win
+        net, source = load_once(functools.partial(loader, model_dir), True, ctx)
+        loaded_bytes = sum(p.numel() * p.element_size() for m in (net, source) if m is not None
+                           for p in m.parameters() if not p.is_meta)
+        module = BiEncoder(net) if kind == "biencoder" else CrossEncoder(net, "avg")
+        dist.wrap(module, net, ctx, "fsdp2", source=source)
+        full = ckpt.full_state_dict(net, all_ranks=True)
+        ref = source.state_dict() if source is not None else None
+        diffs = [None]
+        if ctx.rank == 0:
+            diffs = [max((full[k] - ref[k]).abs().max().item() for k in ref) if full.keys() == ref.keys() else -1.0]
+        tdist.broadcast_object_list(diffs, src=0)
+        bufs = {n: b.clone() for n, b in net.named_buffers()}
+        plain = loader(model_dir)
+        results[f"meta_init_{kind}_rank{ctx.rank}"] = {
+            "loaded_bytes": loaded_bytes, "value_diff": diffs[0], "rank_spread": rank_spread(net),
+            "buffers_equal": all(torch.equal(bufs[n], b) for n, b in plain.named_buffers()),
+            "devices": sorted({str(p.device) for p in net.parameters()})}
+        if ctx.rank == 0:  # a fresh head differs from rank 0's, the rest is the checkpoint's
+            full_size = sum(p.numel() * p.element_size() for p in plain.parameters())
+            results[f"meta_init_{kind}_rank0"]["full_bytes"] = full_size
+    gathered = [None] * ctx.world_size
+    tdist.all_gather_object(gathered, {k: v for k, v in results.items() if k.startswith("meta_init_")})
+    for part in gathered:
+        results.update(part)
+
     # ----- saved keys do not depend on the wrapper ------------------------------------------------
     keys = {}
     for wrap in ("none", "ddp", "fsdp2", "compile"):

@@ -131,3 +131,14 @@ def test_activation_checkpointing_recomputes_and_gives_the_same_grads(tiny_model
         saved.append(count[0])
     assert_same(*results)
     assert saved[1] < saved[0] / 2  # the layers' activations were not kept for backward
+
+
+@pytest.mark.parametrize("kind", ["biencoder", "reranker"])
+def test_fsdp2_from_the_meta_device_loads_once_on_rank_0(results, kind):
+    """models.load_once + dist.wrap: rank 1 never holds a weight before sharding, rank 0 holds one
+    full CPU copy; after wrapping every rank's shards hold rank 0's values (the reranker's fresh
+    head, drawn with another seed on each rank, included) and the buffers are the loaded model's."""
+    r0, r1 = results[f"meta_init_{kind}_rank0"], results[f"meta_init_{kind}_rank1"]
+    assert r1["loaded_bytes"] == 0 and r0["loaded_bytes"] == r0["full_bytes"] > 0, (r0, r1)
+    assert r0["value_diff"] == 0.0 and r0["rank_spread"] == 0.0 and r1["rank_spread"] == 0.0, (r0, r1)
+    assert r0["buffers_equal"] and r1["buffers_equal"] and r0["devices"] == r1["devices"] == ["cpu"], (r0, r1)
