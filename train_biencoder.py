@@ -181,7 +181,8 @@ def main():
         if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping):
             ckpt.save_checkpoint(args.output_dir, step, encoder, optimizer, scheduler,
                                  state.state_dict(dataset.steps_per_epoch, args.grad_accum_steps), vars(args),
-                                 wrapped=model, keep_last=args.keep_last)
+                                 wrapped=model, keep_last=args.keep_last,
+                                 sharded_model=args.sharded_checkpoints)
         if last_step or state.stopping:
             break
 

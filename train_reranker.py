@@ -184,7 +184,8 @@ def main():
         if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping):
             ckpt.save_checkpoint(args.output_dir, step, net, optimizer, scheduler,
                                  {**state.state_dict(dataset.steps_per_epoch, args.grad_accum_steps),
-                                  "tokenization": tok_settings}, vars(args), wrapped=model, keep_last=args.keep_last)
+                                  "tokenization": tok_settings}, vars(args), wrapped=model, keep_last=args.keep_last,
+                                 sharded_model=args.sharded_checkpoints)
         if last_step or state.stopping:
             break
 

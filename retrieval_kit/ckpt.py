@@ -4,6 +4,7 @@ A checkpoint is one folder per step, `step_000100/`:
     model.safetensors   weights of the unwrapped model (no `module.` / `_orig_mod.` prefixes)
     optimizer.pt        optimizer state_dict (DDP / one process; loaded with weights_only=True)
     optimizer_dcp/      sharded optimizer state under FSDP2 (torch.distributed.checkpoint)
+    model_dcp/          FSDP2 with --sharded-checkpoints: each rank's model shards, instead of model.safetensors
     scheduler.pt        LR scheduler state_dict
     rng_rank{r}.pt      per-rank RNG states
     meta.json           step, loop state, args, versions, each other file's size and sha256; written last
@@ -112,16 +113,20 @@ def _sharded(wrapped):
     return wrapped is not None and is_fsdp(wrapped)
 
 
-def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args=None, wrapped=None, keep_last=0):
+def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args=None, wrapped=None, keep_last=0,
+                    sharded_model=False):
     """Write `run_dir/step_{step:06d}/` atomically from all ranks (collective), then keep the newest
     `keep_last` complete ones (0 = all). Returns the path. A write that fails (a full disk, a
     quota) ends the run with one sentence; the checkpoints before it are untouched.
 
     `model` is the raw HF module whose weights are saved; `wrapped` the DDP / FSDP2 module the
-    optimizer was built under (needed to gather sharded optimizer state).
+    optimizer was built under (needed to gather sharded optimizer state). `sharded_model`
+    (--sharded-checkpoints, FSDP2 only): every rank writes its own model shards with DCP
+    (`model_dcp/`) instead of rank 0 gathering and writing one `model.safetensors`.
     """
     try:
-        return _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args, wrapped, keep_last)
+        return _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args, wrapped, keep_last,
+                                sharded_model and _sharded(wrapped))
     except Exception as e:  # noqa: BLE001 - only a failed write becomes a sentence
         if flags.os_reason(e) is None:
             raise
@@ -130,7 +135,7 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args
                          "with --resume auto") from None
 
 
-def _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args, wrapped, keep_last):
+def _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args, wrapped, keep_last, dcp_model):
     name = f"step_{step:06d}"
     final, tmp = os.path.join(run_dir, name), os.path.join(run_dir, f".tmp_{name}")
     rank = _rank()
@@ -139,15 +144,18 @@ def _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, arg
         os.makedirs(tmp)
     _barrier()
     torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
-    weights = full_state_dict(model)  # collective under FSDP2
+    weights = None if dcp_model else full_state_dict(model)  # collective under FSDP2
     if _sharded(wrapped):  # every rank writes its own shards; DCP reshards on load, for any rank count
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         dcp.save({"optim": get_optimizer_state_dict(wrapped, optimizer)},
                  checkpoint_id=os.path.join(tmp, "optimizer_dcp"))
+        if dcp_model:  # the wrapped module's keys, which load_model_dcp asks for
+            dcp.save({"model": get_model_state_dict(wrapped)}, checkpoint_id=os.path.join(tmp, "model_dcp"))
     if rank == 0:
-        save_file(weights, os.path.join(tmp, "model.safetensors"))
+        if weights is not None:
+            save_file(weights, os.path.join(tmp, "model.safetensors"))
         if not _sharded(wrapped):
             torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
         torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
@@ -158,6 +166,7 @@ def _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, arg
         meta = {"step": step, "loop": loop_state, "args": args, "world_size": dist.get_world_size()
                 if dist.is_initialized() else 1, "torch": torch.__version__,
                 "optimizer_format": "dcp" if _sharded(wrapped) else "torch",
+                "model_format": "dcp" if dcp_model else "safetensors",
                 "transformers": transformers.__version__, "complete": True, "files": file_sums(tmp)}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2, default=str)
@@ -263,7 +272,7 @@ RUN_NEUTRAL = {"output_dir", "resume", "overwrite_output_dir", "allow_changed_ar
                "val_every", "val_batch_size", "val_max_groups", "val_file", "val_n_passages", "ckpt_every",
                "keep_last", "num_workers", "eval_beir", "eval_k", "max_bad_steps", "static_graph", "bucket_cap_mb",
                "gradient_as_bucket_view", "broadcast_buffers", "find_unused_parameters", "reshard_after_forward",
-               "activation_checkpointing", "dist_backend", "dist_timeout"}
+               "activation_checkpointing", "dist_backend", "dist_timeout", "sharded_checkpoints"}
 
 
 def changed_args(saved, now, saved_world, world):
@@ -356,17 +365,37 @@ def load_model_weights(model, ckpt_dir):
 
 
 def restore_model(model, ckpt_dir, storage_dtype):
-    """Resume, part 1 (before wrapping): weights into the raw HF model, then cast it to the storage dtype."""
+    """Resume, part 1 (before wrapping): weights into the raw HF model, then cast it to the storage
+    dtype. A checkpoint with DCP model shards (--sharded-checkpoints) loads them after wrapping
+    instead, into the shards (load_training_state): nothing to do here."""
+    if load_meta(ckpt_dir).get("model_format") == "dcp":
+        return
     load_model_weights(model, ckpt_dir)
     model.to(storage_dtype)
 
 
+def load_model_dcp(wrapped, ckpt_dir):
+    """DCP model shards into the FSDP2-wrapped model, each rank reading what its shards need (for
+    any rank count). The params keep their dtype (the storage dtype they were built in)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    if not _sharded(wrapped):
+        raise SystemExit(f"{ckpt_dir}: its weights are FSDP2 shards (--sharded-checkpoints); resume it with "
+                         "--parallel fsdp2")
+    state = {"model": get_model_state_dict(wrapped)}
+    dcp.load(state, checkpoint_id=os.path.join(ckpt_dir, "model_dcp"))
+    set_model_state_dict(wrapped, state["model"])
+
+
 def load_training_state(ckpt_dir, optimizer, scheduler, rank, wrapped=None):
-    """Resume, part 2 (after the optimizer is built on the wrapped, cast model): optimizer ->
-    scheduler -> this rank's RNG; checks the optimizer state kept fp32. Returns meta.json (step,
-    loop state, args)."""
+    """Resume, part 2 (after the optimizer is built on the wrapped, cast model): DCP model shards
+    if the checkpoint has them -> optimizer -> scheduler -> this rank's RNG; checks the optimizer
+    state kept fp32. Returns meta.json (step, loop state, args)."""
     from .precision import check_optimizer_state_dtype
 
+    if load_meta(ckpt_dir).get("model_format") == "dcp":
+        load_model_dcp(wrapped, ckpt_dir)
     load_optimizer(optimizer, ckpt_dir, wrapped)
     load_scheduler(scheduler, ckpt_dir)
     meta = load_meta(ckpt_dir)
@@ -442,6 +471,10 @@ def add_ckpt_args(parser, output_dir):
                         "step_* folder")
     g.add_argument("--overwrite-output-dir", action="store_true",
                    help="start over in an --output-dir that already holds a run: delete its checkpoints, final/ and logs")
+    g.add_argument("--sharded-checkpoints", action="store_true",
+                   help="FSDP2: every rank writes its own model shards (DCP, model_dcp/) at each checkpoint, instead "
+                        "of rank 0 gathering the full model into one model.safetensors; the export stays one "
+                        "safetensors dir. Resumes on any rank count with --parallel fsdp2")
     g.add_argument("--allow-changed-args", action="store_true",
                    help="resume although run-defining flags (data, model, batch, lr, schedule, seed, lengths, "
                         "precision...) differ from the checkpoint's; each difference is printed")
