@@ -18,7 +18,7 @@ import torch
 from retrieval_kit import ckpt, data, dist, evaluate, flags, log, loop, optim, precision
 from retrieval_kit.collate import biencoder_inputs
 from retrieval_kit.export import export_model
-from retrieval_kit.losses import contrastive_loss, contrastive_scores
+from retrieval_kit.losses import add_distill_args, contrastive_loss, contrastive_scores, distill_kl
 from retrieval_kit.metrics import WindowedAverage, retrieval_metrics, top1
 from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder, load_once, load_tokenizer
 from retrieval_kit.st_format import SETTING_KEYS, resolve_biencoder_settings
@@ -55,6 +55,7 @@ def parse_args(argv=None):
                    help="score each query against every passage in the batch, not only its own group (default on)")
     g.add_argument("--gather-negatives", action=argparse.BooleanOptionalAction, default=None,
                    help="use passages from all ranks as negatives (default: on when world > 1)")
+    add_distill_args(g)
 
     optim.add_optim_args(p, lr=5e-5, max_steps=60, warmup_steps=6)
     precision.add_precision_args(p)
@@ -67,11 +68,16 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def infonce(out, n, temperature, in_batch, gather, label_offset):
+def infonce(out, n, temperature, in_batch, gather, label_offset, distill=(0.0, 1.0), teacher=None):
     """loss_fn of a step: InfoNCE of this rank's queries against its (with `gather`, every rank's)
-    passages, and each query's top-1 accuracy (ties count against the positive)."""
+    passages, plus distill[0] x the KL term between the teacher's scores of each query's own group
+    (at temperature distill[1]) and the model's (at `temperature`); and each query's top-1 accuracy
+    (ties count against the positive)."""
     p_all = dist.gather_with_grad(out["p"]) if gather else out["p"]  # (W*B*n, H); grads flow back to each rank
     loss = contrastive_loss(out["q"], p_all, n, temperature, in_batch, label_offset)
+    if teacher is not None and distill[0] > 0:  # own groups only: in-batch negatives have no teacher score
+        own = contrastive_scores(out["q"], out["p"], n, in_batch=False)  # (B, n)
+        loss = loss + distill[0] * distill_kl(own, teacher, temperature, distill[1])
     with torch.no_grad():
         scores = contrastive_scores(out["q"], p_all, n, in_batch)
         target = label_offset + torch.arange(len(out["q"]), device=scores.device) * n if in_batch else 0
@@ -140,11 +146,13 @@ def main():
         passage_prefix=settings["passage_prefix"], pad_to_multiple_of=args.pad_to_multiple_of,
         chunk_tokens=args.chunk_tokens, same_chunk_count=args.parallel == "fsdp2")
     workers = loop.num_workers(args.num_workers, ctx.device)
-    dataset = data.StepBatches(records, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed, collate)
+    dataset = data.StepBatches(records, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed, collate,
+                               scores=args.distill_weight > 0)  # teacher scores ride with the batch
     batches = loop.step_batches(dataset, start_step, args.max_steps, args.grad_accum_steps, workers, ctx.device)
     loss_fn = functools.partial(infonce, n=args.n_passages, temperature=args.temperature,
                                 in_batch=args.in_batch_negatives, gather=gather,
-                                label_offset=ctx.rank * args.batch_size * args.n_passages if gather else 0)
+                                label_offset=ctx.rank * args.batch_size * args.n_passages if gather else 0,
+                                distill=(args.distill_weight, args.teacher_temperature))
     fwd_bwd = functools.partial(loop.grad_cache_step if args.grad_cache else loop.plain_step, loss_fn=loss_fn,
                                 accum=args.grad_accum_steps, autocast=(ctx.device.type, autocast_dtype))
     val_score = functools.partial(score_groups, collate=collate, temperature=args.temperature, device=ctx.device,

@@ -21,7 +21,7 @@ import torch
 from retrieval_kit import ckpt, data, dist, flags, log, loop, optim, precision
 from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, pair_layout, rerank_inputs
 from retrieval_kit.export import export_reranker, kit_only_reasons
-from retrieval_kit.losses import RERANK_LOSSES, listwise_loss
+from retrieval_kit.losses import RERANK_LOSSES, add_distill_args, distill_kl, listwise_loss
 from retrieval_kit.metrics import WindowedAverage, top1
 from retrieval_kit.models import (CrossEncoder, default_model_dir, fresh_head_params, is_decoder_only, load_once,
                                   load_reranker, load_tokenizer, make_bidirectional, setup_pad_token)
@@ -57,6 +57,7 @@ def parse_args(argv=None):
                         "cross-entropy, positive 1 / negatives 0 (default listwise)")
     g.add_argument("--head-lr-mult", type=flags.positive_float, default=1.0,
                    help="learning rate of the head (classifier, and BERT's pooler) = --lr x this (default 1)")
+    add_distill_args(g)
     optim.add_optim_args(p, lr=2e-4, max_steps=60, warmup_steps=6)
     precision.add_precision_args(p)
     dist.add_dist_args(p)
@@ -72,11 +73,15 @@ def tokenization_settings(args, tokenizer, template):
             "pad_to_multiple_of": args.pad_to_multiple_of}
 
 
-def group_loss(out, n, loss):
-    """loss_fn of a step: the reranker loss over query-major groups of n pairs, positive first, and
-    each query's top-1 accuracy (ties count against the positive)."""
+def group_loss(out, n, loss, distill=(0.0, 1.0), teacher=None):
+    """loss_fn of a step: the reranker loss over query-major groups of n pairs, positive first, plus
+    distill[0] x the listwise KL term between a teacher's scores of each group (at temperature
+    distill[1]) and the logits; and each query's top-1 accuracy (ties count against the positive)."""
     logits = out["pairs"]  # (B * n,)
-    return loss(logits, n), top1(logits.detach().view(-1, n), 0)
+    value = loss(logits, n)
+    if teacher is not None and distill[0] > 0:
+        value = value + distill[0] * distill_kl(logits.view(-1, n), teacher, 1.0, distill[1])
+    return value, top1(logits.detach().view(-1, n), 0)
 
 
 def score_groups(model, queries, groups, collate, device, autocast_dtype):
@@ -153,9 +158,11 @@ def main():
                                 pad_to_multiple_of=args.pad_to_multiple_of, chunk_tokens=args.chunk_tokens,
                                 same_chunk_count=args.parallel == "fsdp2")  # each chunk's forward is a collective
     workers = loop.num_workers(args.num_workers, ctx.device)
-    dataset = data.StepBatches(records, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed, collate)
+    dataset = data.StepBatches(records, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed, collate,
+                               scores=args.distill_weight > 0)  # teacher scores ride with the batch
     batches = loop.step_batches(dataset, start_step, args.max_steps, args.grad_accum_steps, workers, ctx.device)
-    loss_fn = functools.partial(group_loss, n=args.n_passages, loss=RERANK_LOSSES[args.loss])
+    loss_fn = functools.partial(group_loss, n=args.n_passages, loss=RERANK_LOSSES[args.loss],
+                                distill=(args.distill_weight, args.teacher_temperature))
     fwd_bwd = functools.partial(loop.grad_cache_step if args.grad_cache else loop.plain_step, loss_fn=loss_fn,
                                 accum=args.grad_accum_steps, autocast=(ctx.device.type, autocast_dtype))
     val_score = functools.partial(score_groups, collate=collate, device=ctx.device, autocast_dtype=autocast_dtype)

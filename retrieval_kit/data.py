@@ -222,11 +222,13 @@ class StepBatches(torch.utils.data.Dataset):
     `i` - any DataLoader worker builds it, and a resumed run builds the same one.
 
     collate(queries, groups) -> the model's inputs (collate.biencoder_inputs / rerank_inputs).
+    `scores`: the batch also holds "teacher", the (B, n_passages) teacher scores of the groups (NaN
+    for a passage without one), for the loss (the model never sees it). The same groups either way.
     """
 
-    def __init__(self, records, n_passages, batch_size, rank, world_size, seed, collate):
+    def __init__(self, records, n_passages, batch_size, rank, world_size, seed, collate, scores=False):
         self.records, self.n, self.batch_size, self.rank, self.world = records, n_passages, batch_size, rank, world_size
-        self.seed, self.collate = seed, collate
+        self.seed, self.collate, self.scores = seed, collate, scores
         self.steps_per_epoch = steps_per_epoch(len(records), batch_size, world_size)
         self._epoch, self._order = -1, None
 
@@ -235,8 +237,12 @@ class StepBatches(torch.utils.data.Dataset):
         if epoch != self._epoch:  # one permutation per epoch, kept by each worker
             self._epoch, self._order = epoch, epoch_order(len(self.records), self.seed, epoch)
         idx = rank_batch(self._order, pos, self.batch_size, self.rank, self.world)
-        groups = [sample_group(self.records[j], self.n, group_rng(self.seed, epoch, j)) for j in idx]
-        return self.collate([self.records[j].query for j in idx], groups)
+        if not self.scores:
+            groups = [sample_group(self.records[j], self.n, group_rng(self.seed, epoch, j)) for j in idx]
+            return self.collate([self.records[j].query for j in idx], groups)
+        drawn = [sample_group_scored(self.records[j], self.n, group_rng(self.seed, epoch, j)) for j in idx]
+        batch = self.collate([self.records[j].query for j in idx], [g for g, _ in drawn])
+        return {**batch, "teacher": torch.tensor([s for _, s in drawn], dtype=torch.float32)}
 
 
 def read_train_val(args, world_size):
@@ -256,6 +262,9 @@ def read_train_val(args, world_size):
         print0(f"val: {val_records.summary}")
         warnings += val_warnings
         val_records = val_records[:args.val_max_groups or len(val_records)]
+    if getattr(args, "distill_weight", 0) > 0 and records.pos_scores is None:
+        raise SystemExit(f"--distill-weight {args.distill_weight}: {args.train_file} has no teacher scores "
+                         "(pos_scores / neg_scores); write them with python -m retrieval_kit.score")
     if steps_per_epoch(len(records), args.batch_size, world_size) == 0:
         raise SystemExit(f"{args.train_file}: {len(records)} records are fewer than one global batch "
                          f"({args.batch_size} x {world_size} ranks)")

@@ -9,9 +9,10 @@ explicit values (no Trainer, no `args`). A script's loop reads, top to bottom:
         scalars = finish_step(...)                      # clip -> step or skip -> reduce -> stop flag
         logger.log_step(step, scalars)                  # every --log-every steps
 
-`loss_fn({name: outputs}) -> (loss, per-query top-1 accuracy)` is where a model kind's loss plugs
-in (InfoNCE with gathered negatives, listwise CE, ...); the forward/backward functions do not know
-which, so a new loss needs no new branch in the loop.
+`loss_fn({name: outputs}, **targets) -> (loss, per-query top-1 accuracy)` is where a model kind's
+loss plugs in (InfoNCE with gathered negatives, listwise CE, a distillation term, ...); the
+forward/backward functions do not know which, so a new loss needs no new branch in the loop. A
+micro-batch's Chunked entries go to the model; the rest (teacher scores) to loss_fn as `targets`.
 """
 
 import math
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import data, dist, flags, optim, precision
+from .chunking import Chunked
 from .gradcache import grad_cache
 from .metrics import WindowedAverage, group_metric_sums
 
@@ -74,29 +76,38 @@ def step_batches(dataset, start_step, max_steps, accum, num_workers, device):
 
 
 def to_device(inputs, device):
-    """{name: Chunked} to the device, asynchronously from pinned memory."""
+    """{name: Chunked or tensor} to the device, asynchronously from pinned memory."""
     return {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+
+
+def split_batch(batch):
+    """(model inputs: the Chunked entries, targets: the rest, e.g. "teacher" scores, for loss_fn)."""
+    inputs = {k: v for k, v in batch.items() if isinstance(v, Chunked)}
+    return inputs, {k: v for k, v in batch.items() if k not in inputs}
 
 
 # ----- forward + backward of one micro-batch (chosen once, before the loop) -------------------
 
-def plain_step(model, inputs, loss_fn, accum, sync, autocast=(None, None)):
+def plain_step(model, batch, loss_fn, accum, sync, autocast=(None, None)):
     """One forward of all inputs (`model(**inputs)`, a single DDP forward per backward), the loss
-    outside autocast, backward of loss / accum. Returns (loss, accuracy), detached, on the device."""
+    outside autocast (`loss_fn(outputs, **targets)`: split_batch), backward of loss / accum.
+    Returns (loss, accuracy), detached, on the device."""
+    inputs, targets = split_batch(batch)
     with dist.grad_sync(model, sync):
         with precision.autocast(*autocast):
             out = model(**inputs)
-        loss, acc = loss_fn(out)
+        loss, acc = loss_fn(out, **targets)
         (loss / accum).backward()
     return loss.detach(), acc
 
 
-def grad_cache_step(model, inputs, loss_fn, accum, sync, autocast=(None, None)):
+def grad_cache_step(model, batch, loss_fn, accum, sync, autocast=(None, None)):
     """plain_step's loss and gradients with GradCache: memory flat in the batch size."""
     def run(m, name, sub):
         with precision.autocast(*autocast):
             return m(**{name: sub})[name]
-    return grad_cache(model, inputs, run, loss_fn, accum, sync)
+    inputs, targets = split_batch(batch)
+    return grad_cache(model, inputs, run, lambda out: loss_fn(out, **targets), accum, sync)
 
 
 # ----- the step tail -----------------------------------------------------------------------------
@@ -138,7 +149,7 @@ class StepSums:
         self.acc += acc.mean().double()
         self.micro_batches += 1
         self.queries += acc.numel()
-        self.tokens += sum(c.n_tokens for c in inputs.values())
+        self.tokens += sum(c.n_tokens for c in inputs.values() if isinstance(c, Chunked))
 
 
 def finish_step(model, optimizer, scheduler, state, sums, stop_requested, max_grad_norm, max_bad_steps):

@@ -1,4 +1,5 @@
-"""Losses: contrastive InfoNCE for bi-encoders; listwise CE and pointwise BCE for rerankers.
+"""Losses: contrastive InfoNCE for bi-encoders; listwise CE and pointwise BCE for rerankers; the
+KL distillation term for either, from teacher scores.
 
 Layout: q is (B, H); p is (B * n_passages, H) query-major, so the positive of query i is row
 i * n_passages and rows i * n_passages + 1 .. are its hard negatives. With in-batch negatives
@@ -61,3 +62,37 @@ def pointwise_bce_loss(logits, n_passages):
 
 
 RERANK_LOSSES = {"listwise": listwise_loss, "bce": pointwise_bce_loss}
+
+
+def distill_kl(student, teacher, temperature, teacher_temperature):
+    """Distillation term: KL(teacher || student) between softmaxes over each query's group, mean over
+    the queries that have teacher scores.
+
+    student: (Q, n) similarity scores (or logits) of each query's own group, positive first;
+    teacher: (Q, n) teacher scores of the same passages, NaN where a passage has none (a filled
+    negative): it is left out of both softmaxes. The student's softmax is taken at the training
+    `temperature` (its InfoNCE temperature; 1 for reranker logits), the teacher's at
+    `teacher_temperature`. A teacher equal to the student (same temperature) gives 0 and a zero
+    gradient. Not scaled by temperature^2."""
+    student = student.float() / temperature
+    teacher = teacher.to(student.device, torch.float32) / teacher_temperature
+    missing = torch.isnan(teacher)
+    neg_inf = torch.finfo(torch.float32).min  # not -inf: a row with every score missing stays finite
+    log_s = F.log_softmax(student.masked_fill(missing, neg_inf), dim=-1)
+    log_t = F.log_softmax(teacher.masked_fill(missing, neg_inf), dim=-1)
+    kl = (log_t.exp() * (log_t - log_s)).masked_fill(missing, 0.0).sum(-1)  # (Q,)
+    scored = (~missing).any(-1)
+    return (kl * scored).sum() / scored.sum().clamp(min=1)
+
+
+def add_distill_args(group):
+    """The distillation flags both scripts share (in their loss group)."""
+    from . import flags
+
+    group.add_argument("--distill-weight", type=flags.nonneg_float, default=0.0,
+                       help="add this x KL(teacher || student) over each query's group to the loss, from the teacher "
+                            "scores in the training data (pos_scores / neg_scores: python -m retrieval_kit.score "
+                            "writes them); 0 = off (default)")
+    group.add_argument("--teacher-temperature", type=flags.positive_float, default=1.0,
+                       help="softmax temperature of the teacher scores (default 1: reranker logits; a bi-encoder "
+                            "teacher's cosines want about its training temperature, e.g. 0.05)")

@@ -185,9 +185,17 @@ class RecordView:
 
     @property
     def query(self):
+        return self.prompt + self.bare_query
+
+    @property
+    def bare_query(self):
+        """The query as the file wrote it, without its prompt."""
+        return self._r.queries[self._i]
+
+    @property
+    def prompt(self):
         r, i = self._r, self._i
-        prompt = r.prompts[r.prompt_ids[i]] if r.prompt_ids is not None and r.prompt_ids[i] >= 0 else ""
-        return prompt + r.queries[i]
+        return r.prompts[r.prompt_ids[i]] if r.prompt_ids is not None and r.prompt_ids[i] >= 0 else ""
 
     @property
     def pos_ids(self):

@@ -45,6 +45,17 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
 
 
 @pytest.fixture(scope="session")
+def no_dropout_dir(tmp_path_factory, tokenizer):
+    """The tiny BERT with dropout off, so runs on different rank counts compute the same maths."""
+    out = tmp_path_factory.mktemp("tiny_nodrop")
+    torch.manual_seed(0)
+    BertModel(tiny_bert_config(len(tokenizer), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+              ).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def small_train_file(tmp_path_factory):
     """The first 64 records of the bundled training data."""
     out = tmp_path_factory.mktemp("data") / "train64.jsonl"

@@ -12,10 +12,9 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import BertModel
 
 from retrieval_kit import ckpt
-from tests.conftest import ROOT, read_jsonl, run_script, tiny_bert_config
+from tests.conftest import ROOT, read_jsonl, run_script
 
 
 def launch(script, args, nproc=1):
@@ -149,17 +148,6 @@ def test_two_rank_kill_then_resume_is_bitwise_identical(tiny_model_dir, small_tr
     kill_after_checkpoint(proc, run / "step_000002", sig)
     run_script("train_biencoder.py", args + ["--max-steps", STEPS, "--resume", "auto"], nproc=2)
     assert_same_run(ref, run)
-
-
-@pytest.fixture(scope="module")
-def no_dropout_dir(tmp_path_factory, tokenizer):
-    """Dropout off, so runs on different rank counts compute the same maths."""
-    out = tmp_path_factory.mktemp("tiny_nodrop")
-    torch.manual_seed(0)
-    BertModel(tiny_bert_config(len(tokenizer), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-              ).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return str(out)
 
 
 def test_checkpoints_resume_across_world_sizes(no_dropout_dir, small_train_file, tmp_path):

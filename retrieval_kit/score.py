@@ -1,0 +1,179 @@
+"""Teacher scores: an exported model's score for every passage of every training record, written as
+training JSONL under FlagEmbedding's field names, ready for `--distill-weight`.
+
+    python -m retrieval_kit.score --model runs/reranker/final --input data/mined.jsonl --out data/scored.jsonl
+    torchrun --nproc_per_node=2 -m retrieval_kit.score --model ... --input ... --out ...   # blocks split over ranks
+
+Each output line is {"query", "pos", "neg", "pos_scores", "neg_scores"} (plus "prompt" when the
+record has one), the passages as text, in the record's order. An export of train_reranker.py
+scores a pair with its logit (tokenized as it was trained); an export of train_biencoder.py with
+the inner product of its embeddings (the cosine when normalized; use a teacher temperature near
+its training temperature). Any input format the scripts read works (--corpus for docs by id).
+
+Records are scored in blocks of --block-size. Block b is scored by rank b % world and written to
+OUT.parts/block_{b}.jsonl at once (a temporary file renamed), so a run that is killed and started
+again with the same command skips the blocks already written, on any number of ranks, and ends
+with the same file as a run in one go. Rank 0 then joins the blocks in order into OUT (written as
+OUT.partial, renamed when complete) and removes OUT.parts.
+"""
+
+import argparse
+import json
+import os
+import shutil
+
+import torch
+from tqdm import tqdm
+
+from . import dist, flags
+
+MANIFEST = "manifest.json"
+
+
+def record_line(record, pos_scores, neg_scores):
+    """One output record: FlagEmbedding's fields, passages as text, scores as floats."""
+    out = {"query": record.bare_query, "pos": list(record.pos), "neg": list(record.neg),
+           "pos_scores": pos_scores, "neg_scores": neg_scores}
+    if record.prompt:
+        out["prompt"] = record.prompt
+    return json.dumps(out, ensure_ascii=False) + "\n"
+
+
+class Scorer:
+    """score(queries, passages) -> a float per (query, passage) pair, for either kind of export."""
+
+    def __init__(self, model_dir, device, batch_size, trust_remote_code=False):
+        from .export import load_exported_reranker, load_settings
+
+        self.settings = load_settings(model_dir)
+        self.kind = self.settings.get("kind")
+        self.device, self.batch_size = device, batch_size
+        if self.kind == "reranker":
+            model, self.tokenizer, self.settings = load_exported_reranker(model_dir, torch.float32, trust_remote_code)
+        elif self.kind == "biencoder":
+            from .evaluate import biencoder_settings
+            from .models import load_encoder, load_tokenizer
+
+            self.settings = biencoder_settings(model_dir, {})
+            self.tokenizer = load_tokenizer(model_dir, trust_remote_code)
+            model = load_encoder(model_dir, torch.float32, trust_remote_code)
+        else:
+            raise SystemExit(f"--model {model_dir}: not an export of train_reranker.py or train_biencoder.py (its "
+                             "retrieval_kit.json, which says how to score, is missing or names no kind)")
+        self.model = model.to(device).eval()
+
+    @torch.no_grad()
+    def score(self, queries, passages):
+        if self.kind == "reranker":
+            from .encode import score_groups
+
+            return score_groups(self.model, self.tokenizer, queries, [[p] for p in passages], self.settings,
+                                self.batch_size, self.device)[:, 0].tolist()
+        from .encode import encode_texts
+
+        s = self.settings
+        args = (self.batch_size, s["pooling"], s["normalize"], self.device)
+        q = encode_texts(self.model, self.tokenizer, queries, s["query_max_length"], s["query_prefix"], *args)
+        p = encode_texts(self.model, self.tokenizer, passages, s["passage_max_length"], s["passage_prefix"], *args)
+        return (q * p).sum(-1).tolist()
+
+
+def score_block(scorer, records):
+    """The output lines of one block of records (every passage of each scored against its query)."""
+    queries, passages = [], []
+    for r in records:
+        for p in list(r.pos) + list(r.neg):
+            queries.append(r.query)
+            passages.append(p)
+    scores = iter(scorer.score(queries, passages)) if passages else iter(())
+    lines = []
+    for r in records:
+        pos = [next(scores) for _ in range(len(r.pos))]
+        lines.append(record_line(r, pos, [next(scores) for _ in range(len(r.neg))]))
+    return "".join(lines)
+
+
+def check_parts(parts, manifest):
+    """Start or continue OUT.parts: a manifest from another run (other input, model or blocks) is refused."""
+    path = os.path.join(parts, MANIFEST)
+    if os.path.isfile(path):
+        with open(path) as f:
+            saved = json.load(f)
+        if saved != manifest:
+            diffs = ", ".join(f"{k}: {saved.get(k)!r} then, {v!r} now" for k, v in manifest.items() if saved.get(k) != v)
+            raise SystemExit(f"{parts} holds the blocks of another scoring run ({diffs}): run that command again to "
+                             "finish it, or delete the folder")
+        return
+    os.makedirs(parts, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(manifest, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def _barrier():
+    import torch.distributed as tdist
+
+    if tdist.is_initialized() and tdist.get_world_size() > 1:
+        tdist.barrier()
+
+
+def block_path(parts, b):
+    return os.path.join(parts, f"block_{b:06d}.jsonl")
+
+
+def main(argv=None):
+    from .data import read_records
+    from .formats import read_corpus
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=flags.model_path, required=True,
+                    help="an exported model dir (final/ of train_reranker.py or train_biencoder.py)")
+    ap.add_argument("--input", required=True, help="training records, any format the scripts read")
+    ap.add_argument("--corpus", default=None, help="BEIR corpus.jsonl for records that name docs by id")
+    ap.add_argument("--out", required=True, help="the training JSONL to write, with pos_scores / neg_scores")
+    ap.add_argument("--batch-size", type=flags.positive_int, default=32, help="pairs (or texts) per forward (default 32)")
+    ap.add_argument("--block-size", type=flags.positive_int, default=64,
+                    help="records per block: the unit of sharding over ranks and of resuming (default 64)")
+    ap.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    ap.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dir")
+    args = ap.parse_args(argv)
+    flags.check_writable_file("--out", args.out)
+    if os.path.exists(args.out) and not args.overwrite:
+        ap.error(f"--out {args.out} exists: pass --overwrite to replace it")
+
+    ctx = dist.init()
+    corpus = read_corpus(args.corpus) if args.corpus else None
+    records, _ = read_records(args.input, corpus=corpus)
+    dist.print0(f"{args.input}: {records.summary}")
+    scorer = Scorer(args.model, ctx.device, args.batch_size, args.trust_remote_code)
+    parts = args.out + ".parts"
+    manifest = {"input": os.path.abspath(args.input), "model": os.path.abspath(args.model),
+                "corpus": args.corpus and os.path.abspath(args.corpus), "records": len(records),
+                "block_size": args.block_size}
+    if ctx.is_main:
+        check_parts(parts, manifest)
+    _barrier()
+    n_blocks = -(-len(records) // args.block_size)
+    mine = [b for b in range(ctx.rank, n_blocks, ctx.world_size) if not os.path.isfile(block_path(parts, b))]
+    for b in tqdm(mine, desc=f"score ({scorer.kind})", unit="block", disable=not ctx.is_main):
+        text = score_block(scorer, [records[i] for i in range(b * args.block_size,
+                                                                min(len(records), (b + 1) * args.block_size))])
+        with open(block_path(parts, b) + ".tmp", "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(block_path(parts, b) + ".tmp", block_path(parts, b))
+    _barrier()
+    if ctx.is_main:
+        with open(args.out + ".partial", "w", encoding="utf-8") as out:
+            for b in range(n_blocks):
+                with open(block_path(parts, b), encoding="utf-8") as f:
+                    shutil.copyfileobj(f, out)
+        os.replace(args.out + ".partial", args.out)
+        shutil.rmtree(parts)
+        print(f"wrote {len(records)} records with {scorer.kind} scores to {args.out}")
+    dist.cleanup()
+
+
+if __name__ == "__main__":
+    from .data import exit_on_data_error
+
+    exit_on_data_error(main)
