@@ -73,9 +73,11 @@ class Scorer:
 
         s = self.settings
         args = (self.batch_size, s["pooling"], s["normalize"], self.device)
-        q = encode_texts(self.model, self.tokenizer, queries, s["query_max_length"], s["query_prefix"], *args)
+        unique = list(dict.fromkeys(queries))  # each query embedded once, not once per passage
+        row = {text: i for i, text in enumerate(unique)}
+        q = encode_texts(self.model, self.tokenizer, unique, s["query_max_length"], s["query_prefix"], *args)
         p = encode_texts(self.model, self.tokenizer, passages, s["passage_max_length"], s["passage_prefix"], *args)
-        return (q * p).sum(-1).tolist()
+        return (q[[row[text] for text in queries]] * p).sum(-1).tolist()
 
 
 def score_block(scorer, records):

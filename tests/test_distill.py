@@ -190,3 +190,24 @@ def test_distill_weight_without_teacher_scores_is_one_sentence(tiny_model_dir, s
                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "has no teacher scores" in out.stderr and "retrieval_kit.score" in out.stderr
+
+
+def test_a_biencoder_export_scores_by_the_inner_product_of_its_embeddings(scored, tiny_model_dir):
+    from retrieval_kit.encode import encode_texts
+    from retrieval_kit.export import export_model
+
+    _, inp, _, tmp = scored
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    enc = load_encoder(tiny_model_dir)
+    settings = {"pooling": "avg", "normalize": True, "query_prefix": "", "passage_prefix": "",
+                "query_max_length": 32, "passage_max_length": 48}
+    model = export_model(str(tmp / "bi"), enc, tok, {"kind": "biencoder", **settings, "temperature": 0.05})
+    out = tmp / "bi_scores.jsonl"
+    proc = run_score(["--model", model, "--input", inp, "--out", out, "--block-size", 16, "--batch-size", 8])
+    o, e = proc.communicate(timeout=300)
+    assert proc.returncode == 0, e[-3000:]
+    for row in read_jsonl(out)[:4]:
+        docs = row["pos"] + row["neg"]
+        q = encode_texts(enc, tok, [row["query"]], 32)
+        p = encode_texts(enc, tok, docs, 48)
+        assert row["pos_scores"] + row["neg_scores"] == pytest.approx((q @ p.T)[0].tolist(), abs=1e-5)
