@@ -211,3 +211,22 @@ def test_a_biencoder_export_scores_by_the_inner_product_of_its_embeddings(scored
         q = encode_texts(enc, tok, [row["query"]], 32)
         p = encode_texts(enc, tok, docs, 48)
         assert row["pos_scores"] + row["neg_scores"] == pytest.approx((q @ p.T)[0].tolist(), abs=1e-5)
+
+
+def test_reranker_group_loss_adds_the_listwise_kl_of_its_logits(scored, tiny_model_dir, tmp_path):
+    """train_reranker.py's loss_fn with teacher scores: the listwise loss + weight x the KL of the
+    logits (temperature 1) against the teacher; and a short run on the score file trains with it."""
+    from retrieval_kit.losses import listwise_loss
+    from train_reranker import group_loss
+
+    logits = torch.tensor([2.0, 0.5, -1.0, 0.3, 0.1, 0.9])  # 2 queries x 3 pairs
+    teacher = torch.tensor([[5.0, 1.0, 0.0], [1.0, float("nan"), 2.0]])
+    loss, _ = group_loss({"pairs": logits}, 3, listwise_loss, (0.5, 2.0), teacher=teacher)
+    by_hand = listwise_loss(logits, 3).item() + 0.5 * kl_by_hand(logits.view(2, 3).tolist(), teacher.tolist(), 1.0, 2.0)
+    assert loss.item() == pytest.approx(by_hand, rel=1e-6)
+    _, _, scores, _ = scored
+    run_script("train_reranker.py", ["--model", tiny_model_dir, "--train-file", scores, "--val-file", "",
+                                     "--max-steps", 2, "--warmup-steps", 1, "--batch-size", 4, "--n-passages", 3,
+                                     "--rerank-max-length", 64, "--distill-weight", 1, "--output-dir", tmp_path / "rr"])
+    rows = [r for r in read_jsonl(tmp_path / "rr" / "metrics.jsonl") if r["split"] == "train"]
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
