@@ -18,8 +18,9 @@ import torch
 from retrieval_kit import ckpt, data, dist, evaluate, flags, log, loop, optim, precision
 from retrieval_kit.collate import biencoder_inputs
 from retrieval_kit.export import export_model
-from retrieval_kit.losses import add_distill_args, contrastive_loss, contrastive_scores, distill_kl
-from retrieval_kit.metrics import WindowedAverage, retrieval_metrics, top1
+from retrieval_kit.losses import (add_distill_args, contrastive_loss, contrastive_scores, distill_kl, matryoshka_loss,
+                                  matryoshka_plan)
+from retrieval_kit.metrics import WindowedAverage, top1
 from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder, load_once, load_tokenizer
 from retrieval_kit.st_format import SETTING_KEYS, resolve_biencoder_settings
 
@@ -56,6 +57,12 @@ def parse_args(argv=None):
     g.add_argument("--gather-negatives", action=argparse.BooleanOptionalAction, default=None,
                    help="use passages from all ranks as negatives (default: on when world > 1)")
     add_distill_args(g)
+    g.add_argument("--matryoshka-dims", type=flags.listed(flags.positive_int), default=None,
+                   help="Matryoshka embeddings: the loss is the weighted sum of InfoNCE on each of these prefixes of "
+                        "the embedding, e.g. 384,256,128,64 (re-normalized when --normalize); --eval-beir reports "
+                        "each; the export lists them (default off)")
+    g.add_argument("--matryoshka-weights", type=flags.listed(flags.positive_float), default=None,
+                   help="one weight per --matryoshka-dims value (default 1 each)")
 
     optim.add_optim_args(p, lr=5e-5, max_steps=60, warmup_steps=6)
     precision.add_precision_args(p)
@@ -68,13 +75,18 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def infonce(out, n, temperature, in_batch, gather, label_offset, distill=(0.0, 1.0), teacher=None):
+def infonce(out, n, temperature, in_batch, gather, label_offset, distill=(0.0, 1.0), teacher=None,
+            matryoshka=((), (), True)):
     """loss_fn of a step: InfoNCE of this rank's queries against its (with `gather`, every rank's)
-    passages, plus distill[0] x the KL term between the teacher's scores of each query's own group
-    (at temperature distill[1]) and the model's (at `temperature`); and each query's top-1 accuracy
-    (ties count against the positive)."""
+    passages (with `matryoshka` = (dims, weights, normalize), the weighted sum over those prefixes
+    of the embeddings), plus distill[0] x the KL term between the teacher's scores of each query's
+    own group (at temperature distill[1]) and the model's (at `temperature`); and each query's
+    top-1 accuracy (ties count against the positive)."""
     p_all = dist.gather_with_grad(out["p"]) if gather else out["p"]  # (W*B*n, H); grads flow back to each rank
-    loss = contrastive_loss(out["q"], p_all, n, temperature, in_batch, label_offset)
+    if matryoshka[0]:
+        loss = matryoshka_loss(out["q"], p_all, n, *matryoshka, temperature, in_batch, label_offset)
+    else:
+        loss = contrastive_loss(out["q"], p_all, n, temperature, in_batch, label_offset)
     if teacher is not None and distill[0] > 0:  # own groups only: in-batch negatives have no teacher score
         own = contrastive_scores(out["q"], out["p"], n, in_batch=False)  # (B, n)
         loss = loss + distill[0] * distill_kl(own, teacher, temperature, distill[1])
@@ -116,6 +128,7 @@ def main():
     encoder, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
         functools.partial(load_encoder, model_dir, storage_dtype, args.trust_remote_code, args.attn_implementation),
         args.parallel == "fsdp2", ctx)
+    dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights, encoder.config.hidden_size)
     settings, read = resolve_biencoder_settings(model_dir, {k: getattr(args, k) for k in SETTING_KEYS})
     if read:  # what the model dir's sentence-transformers files set
         dist.print0(read)
@@ -152,7 +165,8 @@ def main():
     loss_fn = functools.partial(infonce, n=args.n_passages, temperature=args.temperature,
                                 in_batch=args.in_batch_negatives, gather=gather,
                                 label_offset=ctx.rank * args.batch_size * args.n_passages if gather else 0,
-                                distill=(args.distill_weight, args.teacher_temperature))
+                                distill=(args.distill_weight, args.teacher_temperature),
+                                matryoshka=(*dims, settings["normalize"]))
     fwd_bwd = functools.partial(loop.grad_cache_step if args.grad_cache else loop.plain_step, loss_fn=loss_fn,
                                 accum=args.grad_accum_steps, autocast=(ctx.device.type, autocast_dtype))
     val_score = functools.partial(score_groups, collate=collate, temperature=args.temperature, device=ctx.device,
@@ -180,12 +194,12 @@ def main():
                                                ctx, val_score)
                 logger.log(step, metrics, prefix="val")
                 logger.write(f"step {step}: val " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-            if beir:
-                run = evaluate.retrieve(eval_model, tokenizer, settings, beir, args.eval_k, args.val_batch_size,
-                                        ctx.device)
-                metrics = retrieval_metrics(run, beir[3])
-                logger.log(step, metrics, prefix="beir")
-                logger.write(f"step {step}: {args.eval_beir} " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            if beir:  # beir/*, and beir_dim{d}/* for each Matryoshka size
+                for prefix, metrics in evaluate.beir_metrics(eval_model, tokenizer, settings, beir, args.eval_k,
+                                                             args.val_batch_size, ctx.device, dims[0]).items():
+                    logger.log(step, metrics, prefix=prefix)
+                    logger.write(f"step {step}: {args.eval_beir} {prefix} "
+                                 + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping):
             ckpt.save_checkpoint(args.output_dir, step, encoder, optimizer, scheduler,
                                  state.state_dict(dataset.steps_per_epoch, args.grad_accum_steps), vars(args),
@@ -207,7 +221,7 @@ def main():
 
     # ----- export --------------------------------------------------------------------------------
     final = export_model(os.path.join(args.output_dir, "final"), encoder, tokenizer,
-                         {"kind": "biencoder", **settings, "temperature": args.temperature})
+                         {"kind": "biencoder", **settings, "temperature": args.temperature, "matryoshka_dims": dims[0]})
     loop.end_run(logger, f"exported the bi-encoder to {final}")
 
 

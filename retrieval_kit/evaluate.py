@@ -23,7 +23,7 @@ from . import dist, flags
 from .data import shard
 from .formats import read_corpus, read_qrels, read_queries
 from .encode import encode_shard, encode_sharded, score_groups
-from .export import load_exported_reranker
+from .export import load_exported_reranker, load_settings
 from .metrics import rank_docs, retrieval_metrics
 from .models import default_model_dir, load_encoder, load_tokenizer
 from .search import sharded_topk
@@ -72,6 +72,15 @@ def retrieve(model, tokenizer, settings, beir, k=100, batch_size=64, device="cpu
     """Bi-encoder stage: {qid: {doc id: score}} with each judged query's top k docs. Under torchrun
     each rank encodes and searches its own shard of the corpus on its device and the per-shard
     top k are merged (search.sharded_topk): no rank gathers the whole corpus's embeddings."""
+    return retrieve_dims(model, tokenizer, settings, beir, [None], k, batch_size, device, progress)[None]
+
+
+def retrieve_dims(model, tokenizer, settings, beir, dims, k=100, batch_size=64, device="cpu", progress=False):
+    """retrieve for each embedding size in `dims` (None = the whole embedding; d = its first d
+    dimensions, re-normalized when the model normalizes: Matryoshka), the texts embedded once:
+    {d: run}."""
+    import torch.nn.functional as F
+
     ids, texts, queries, qrels = beir
     qids = [q for q in queries if q in qrels]
     p_own, offset = encode_shard(model, tokenizer, texts, settings["passage_max_length"], settings["passage_prefix"],
@@ -79,8 +88,22 @@ def retrieve(model, tokenizer, settings, beir, k=100, batch_size=64, device="cpu
     q_emb = encode_sharded(model, tokenizer, [queries[q] for q in qids], settings["query_max_length"],
                            settings["query_prefix"], batch_size, settings["pooling"], settings["normalize"], device,
                            progress, "queries")
-    scores, idx = sharded_topk(q_emb, p_own, offset, k, len(texts), device)
-    return {q: {ids[j]: s for s, j in zip(scores[i].tolist(), idx[i].tolist())} for i, q in enumerate(qids)}
+    runs = {}
+    for d in dims:
+        q, p = (q_emb, p_own) if d is None else (q_emb[:, :d], p_own[:, :d])
+        if d is not None and settings["normalize"]:
+            q, p = F.normalize(q, dim=-1), F.normalize(p, dim=-1)
+        scores, idx = sharded_topk(q, p, offset, k, len(texts), device)
+        runs[d] = {q: {ids[j]: s for s, j in zip(scores[i].tolist(), idx[i].tolist())} for i, q in enumerate(qids)}
+    return runs
+
+
+def beir_metrics(model, tokenizer, settings, beir, k=100, batch_size=64, device="cpu", dims=()):
+    """{log prefix: retrieval metrics}: "beir" for the whole embedding, "beir_dim{d}" for each
+    Matryoshka size in `dims` below it."""
+    sizes = [None] + [d for d in dims if d is not None]
+    runs = retrieve_dims(model, tokenizer, settings, beir, sizes, k, batch_size, device)
+    return {"beir" if d is None else f"beir_dim{d}": retrieval_metrics(run, beir[3]) for d, run in runs.items()}
 
 
 def fuse_scores(rr, bi, weight):
@@ -136,6 +159,10 @@ def main(argv=None):
     ap.add_argument("--k", type=flags.positive_int, default=100, help="docs retrieved per query (default 100)")
     ap.add_argument("--batch-size", type=flags.positive_int, default=64, help="texts per encoding batch")
     add_biencoder_setting_args(ap)
+    ap.add_argument("--truncate-dims", type=flags.listed(flags.positive_int), default=None,
+                    help="also retrieve with the first d dimensions of the embeddings, for each d listed, e.g. "
+                         "256,128,64 (re-normalized when the model normalizes; default: the dims an export trained "
+                         "with --matryoshka-dims lists, else none)")
     ap.add_argument("--reranker", default=None, help="exported reranker dir for a second stage (optional)")
     ap.add_argument("--rerank-top-k", type=flags.positive_int, default=10, help="docs per query the reranker rescores (default 10)")
     ap.add_argument("--rerank-weight", type=flags.fraction, default=0.5,
@@ -156,8 +183,11 @@ def main(argv=None):
     settings = biencoder_settings(model_dir, vars(args))
     tok = load_tokenizer(model_dir, args.trust_remote_code)
     enc = load_encoder(model_dir, torch.float32, args.trust_remote_code).to(ctx.device)
-    run = retrieve(enc, tok, settings, beir, args.k, args.batch_size, ctx.device, progress=ctx.is_main)
+    dims = args.truncate_dims if args.truncate_dims is not None else load_settings(model_dir).get("matryoshka_dims", [])
+    runs = retrieve_dims(enc, tok, settings, beir, [None, *dims], args.k, args.batch_size, ctx.device, ctx.is_main)
+    run = runs.pop(None)
     results = {"biencoder": retrieval_metrics(run, beir[3])}
+    results.update({f"biencoder@dim{d}": retrieval_metrics(r, beir[3]) for d, r in runs.items()})
     if args.reranker:
         rr, rr_tok, rr_settings = load_exported_reranker(args.reranker, torch.float32, args.trust_remote_code)
         run2 = rerank(run, rr.to(ctx.device), rr_tok, rr_settings, beir, args.rerank_top_k, device=ctx.device,

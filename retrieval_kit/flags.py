@@ -34,6 +34,16 @@ fraction = _checked(float, lambda v: 0 <= v <= 1, "must be between 0 and 1")
 beta = _checked(float, lambda v: 0 <= v < 1, "must be at least 0 and below 1")  # an Adam beta
 
 
+def listed(item):
+    """A comma-separated list of `item` values ("384,256,128"), each checked by `item`."""
+    def parse(text):
+        parts = [t.strip() for t in text.split(",") if t.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"must be a comma-separated list, got {text!r}")
+        return [item(t) for t in parts]
+    return parse
+
+
 def os_reason(e):
     """An OSError (or safetensors' I/O error) in a few words, or None for any other exception."""
     if isinstance(e, (FileExistsError, NotADirectoryError)):

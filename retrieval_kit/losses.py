@@ -96,3 +96,33 @@ def add_distill_args(group):
     group.add_argument("--teacher-temperature", type=flags.positive_float, default=1.0,
                        help="softmax temperature of the teacher scores (default 1: reranker logits; a bi-encoder "
                             "teacher's cosines want about its training temperature, e.g. 0.05)")
+
+
+def matryoshka_loss(q, p, n_passages, dims, weights, normalize, temperature=0.05, in_batch=True, label_offset=0):
+    """Matryoshka representation learning (Kusupati et al., 2022): the weighted sum over `dims` of
+    contrastive_loss on the first d dimensions of every embedding, re-normalized when the model
+    normalizes (a unit vector's prefix is not one). q, p and the layout as contrastive_loss."""
+    total = 0.0
+    for d, w in zip(dims, weights):
+        qd, pd = q[:, :d], p[:, :d]
+        if normalize:
+            qd, pd = F.normalize(qd.float(), dim=-1), F.normalize(pd.float(), dim=-1)
+        total = total + w * contrastive_loss(qd, pd, n_passages, temperature, in_batch, label_offset)
+    return total
+
+
+def matryoshka_plan(dims, weights, hidden_size):
+    """(dims, weights) of --matryoshka-dims / --matryoshka-weights checked against the model's
+    embedding size (one sentence naming the flag otherwise); ([], []) when off."""
+    if not dims:
+        if weights:
+            raise SystemExit("--matryoshka-weights needs --matryoshka-dims")
+        return [], []
+    too_big = [d for d in dims if d > hidden_size]
+    if too_big:
+        raise SystemExit(f"--matryoshka-dims {','.join(map(str, dims))}: {too_big} exceed the model's embedding "
+                         f"size {hidden_size}")
+    weights = weights or [1.0] * len(dims)
+    if len(weights) != len(dims):
+        raise SystemExit(f"--matryoshka-weights has {len(weights)} values for {len(dims)} --matryoshka-dims")
+    return dims, weights
