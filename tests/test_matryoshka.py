@@ -4,6 +4,7 @@ refusals, and sentence-transformers' truncate_dim reading the export."""
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ from retrieval_kit.chunking import chunk_batch
 from retrieval_kit.collate import collate_biencoder
 from retrieval_kit.losses import matryoshka_loss
 from retrieval_kit.models import BiEncoder, load_encoder
-from tests.conftest import ROOT, read_jsonl, run_script
+from tests.conftest import ROOT
 from tests.test_chunking import GROUPS, QUERIES
 
 
@@ -69,26 +70,21 @@ def test_grad_cache_step_gives_the_plain_steps_matryoshka_loss_and_grads(tiny_mo
     assert abs(plain[0] - run(loop.plain_step, ([32], [1.0]))[0]) > 1e-3  # the prefixes are in the loss
 
 
-def test_matryoshka_run_on_two_ranks_logs_the_losses_of_one_process_and_its_export_truncates(
-        no_dropout_dir, small_train_file, tmp_path):
+def test_sentence_transformers_truncate_dim_reads_an_export_as_the_kit_truncates(tiny_model_dir, tmp_path):
+    """(The 2-rank run with --matryoshka-dims, and the sizes its export lists: tests/test_distill.py.)"""
     from sentence_transformers import SentenceTransformer
 
     from retrieval_kit.encode import encode_texts
-    from retrieval_kit.export import load_settings
+    from retrieval_kit.export import export_model
 
-    common = ["--model", no_dropout_dir, "--train-file", small_train_file, "--val-file", "", "--max-steps", 2,
-              "--warmup-steps", 1, "--passage-max-length", 48, "--chunk-tokens", 96,
-              "--matryoshka-dims", "32,16,8", "--matryoshka-weights", "1,1,0.5"]
-    runs = {}
-    for name, nproc, batch in (("one", 1, 8), ("two", 2, 4)):
-        run_script("train_biencoder.py", common + ["--batch-size", batch, "--output-dir", tmp_path / name], nproc)
-        runs[name] = [r["loss"] for r in read_jsonl(tmp_path / name / "metrics.jsonl") if r["split"] == "train"]
-    assert runs["one"] == pytest.approx(runs["two"], abs=1e-5)
-    final = str(tmp_path / "one" / "final")
-    assert load_settings(final)["matryoshka_dims"] == [32, 16, 8]
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    enc = load_encoder(tiny_model_dir)
+    final = export_model(str(tmp_path / "final"), enc, tok, {
+        "kind": "biencoder", "pooling": "avg", "normalize": True, "query_prefix": "", "passage_prefix": "",
+        "query_max_length": 48, "passage_max_length": 48, "temperature": 0.05, "matryoshka_dims": [32, 16, 8]})
     texts = ["a command line tool for files", "python library documentation"]
     st = SentenceTransformer(final, device="cpu", truncate_dim=16).encode(texts, convert_to_tensor=True)
-    kit = encode_texts(load_encoder(final), AutoTokenizer.from_pretrained(final), texts, 48)[:, :16]
+    kit = encode_texts(enc, tok, texts, 48)[:, :16]
     assert st.shape == (2, 16) and torch.allclose(F.normalize(st, dim=-1), F.normalize(kit, dim=-1), atol=1e-5)
 
 
@@ -116,14 +112,17 @@ def test_retrieval_per_size_is_an_exact_search_over_each_renormalized_prefix(tin
     assert runs[8] != runs[None]
 
 
-@pytest.mark.parametrize("extra,says", [
-    (["--matryoshka-dims", "64,16"], "[64] exceed the model's embedding size 32"),
-    (["--matryoshka-dims", "32,16", "--matryoshka-weights", "1"], "1 values for 2 --matryoshka-dims"),
-    (["--matryoshka-weights", "1"], "--matryoshka-weights needs --matryoshka-dims"),
-    (["--matryoshka-dims", "32,x"], "--matryoshka-dims: must be an integer"),
-])
-def test_matryoshka_flag_mistakes_are_one_sentence(tiny_model_dir, small_train_file, tmp_path, extra, says):
+def test_matryoshka_flag_mistakes_are_one_sentence(tiny_model_dir, small_train_file, tmp_path):
+    from retrieval_kit.losses import matryoshka_plan
+
+    for dims, weights, says in (([64, 16], None, "[64] exceed the model's embedding size 32"),
+                                ([32, 16], [1.0], "1 values for 2 --matryoshka-dims"),
+                                (None, [1.0], "--matryoshka-weights needs --matryoshka-dims")):
+        with pytest.raises(SystemExit, match=re.escape(says)):
+            matryoshka_plan(dims, weights, 32)
+    assert matryoshka_plan([32, 8], None, 32) == ([32, 8], [1.0, 1.0])
+    # end to end: a message and a non-zero exit, no traceback (the size check runs once the model is loaded)
     out = subprocess.run([sys.executable, os.path.join(ROOT, "train_biencoder.py"), "--model", tiny_model_dir,
-                          "--train-file", small_train_file, "--output-dir", str(tmp_path), *extra],
+                          "--train-file", small_train_file, "--output-dir", str(tmp_path), "--matryoshka-dims", "64"],
                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert out.returncode != 0 and "Traceback" not in out.stderr and says in out.stderr, out.stderr[-2000:]
+    assert out.returncode != 0 and "Traceback" not in out.stderr and "exceed the model's embedding size" in out.stderr
