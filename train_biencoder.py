@@ -18,8 +18,8 @@ import torch
 from retrieval_kit import ckpt, data, dist, evaluate, flags, log, loop, optim, precision
 from retrieval_kit.collate import biencoder_inputs
 from retrieval_kit.export import export_model
-from retrieval_kit.losses import (add_distill_args, contrastive_loss, contrastive_scores, distill_kl, matryoshka_loss,
-                                  matryoshka_plan)
+from retrieval_kit.losses import (add_distill_args, contrastive_loss, contrastive_scores, distill_kl, duplicate_mask,
+                                  matryoshka_loss, matryoshka_plan)
 from retrieval_kit.metrics import WindowedAverage, top1
 from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder, load_once, load_tokenizer
 from retrieval_kit.st_format import SETTING_KEYS, resolve_biencoder_settings
@@ -57,6 +57,10 @@ def parse_args(argv=None):
     g.add_argument("--gather-negatives", action=argparse.BooleanOptionalAction, default=None,
                    help="use passages from all ranks as negatives (default: on when world > 1)")
     add_distill_args(g)
+    g.add_argument("--mask-duplicates", action=argparse.BooleanOptionalAction, default=True,
+                   help="leave a query's own positive out of its negatives wherever the same text appears again in "
+                        "the batch (another query's positive or hard negative, gathered ranks included); the count "
+                        "is logged as duplicates_masked (default on)")
     g.add_argument("--matryoshka-dims", type=flags.listed(flags.positive_int), default=None,
                    help="Matryoshka embeddings: the loss is the weighted sum of InfoNCE on each of these prefixes of "
                         "the embedding, e.g. 384,256,128,64 (re-normalized when --normalize); --eval-beir reports "
@@ -76,30 +80,38 @@ def parse_args(argv=None):
 
 
 def infonce(out, n, temperature, in_batch, gather, label_offset, distill=(0.0, 1.0), teacher=None,
-            matryoshka=((), (), True)):
+            matryoshka=((), (), True), mask_duplicates=True, p_keys=None):
     """loss_fn of a step: InfoNCE of this rank's queries against its (with `gather`, every rank's)
     passages (with `matryoshka` = (dims, weights, normalize), the weighted sum over those prefixes
-    of the embeddings), plus distill[0] x the KL term between the teacher's scores of each query's
-    own group (at temperature distill[1]) and the model's (at `temperature`); and each query's
-    top-1 accuracy (ties count against the positive)."""
+    of the embeddings), each query's own positive left out of its negatives wherever its text
+    appears again (`mask_duplicates`, from the batch's `p_keys`), plus distill[0] x the KL term
+    between the teacher's scores of each query's own group (at temperature distill[1]) and the
+    model's (at `temperature`). Returns (loss, each query's top-1 accuracy (ties count against the
+    positive), {"duplicates_masked": candidates left out})."""
     p_all = dist.gather_with_grad(out["p"]) if gather else out["p"]  # (W*B*n, H); grads flow back to each rank
+    mask = None
+    if mask_duplicates and p_keys is not None:
+        mask = duplicate_mask(p_keys, n, in_batch, label_offset, dist.gather(p_keys) if gather and in_batch else None)
     if matryoshka[0]:
-        loss = matryoshka_loss(out["q"], p_all, n, *matryoshka, temperature, in_batch, label_offset)
+        loss = matryoshka_loss(out["q"], p_all, n, *matryoshka, temperature, in_batch, label_offset, mask)
     else:
-        loss = contrastive_loss(out["q"], p_all, n, temperature, in_batch, label_offset)
+        loss = contrastive_loss(out["q"], p_all, n, temperature, in_batch, label_offset, mask)
     if teacher is not None and distill[0] > 0:  # own groups only: in-batch negatives have no teacher score
         own = contrastive_scores(out["q"], out["p"], n, in_batch=False)  # (B, n)
         loss = loss + distill[0] * distill_kl(own, teacher, temperature, distill[1])
     with torch.no_grad():
         scores = contrastive_scores(out["q"], p_all, n, in_batch)
+        if mask is not None:
+            scores = scores.masked_fill(mask, float("-inf"))
         target = label_offset + torch.arange(len(out["q"]), device=scores.device) * n if in_batch else 0
-        return loss, top1(scores, target)
+        masked = mask.sum() if mask is not None else torch.zeros((), device=scores.device)
+        return loss, top1(scores, target), {"duplicates_masked": masked}
 
 
 def score_groups(model, queries, groups, collate, temperature, device, autocast_dtype):
     """Validation: each query against its own group only -> ((b, n) scores, mean InfoNCE)."""
     n = len(groups[0])
-    inputs = loop.to_device(collate(queries, groups), device)
+    inputs, _ = loop.split_batch(loop.to_device(collate(queries, groups), device))  # the model's inputs only
     with precision.autocast(device.type, autocast_dtype):
         out = model(**inputs)
     scores = contrastive_scores(out["q"].float(), out["p"].float(), n, in_batch=False)
@@ -166,7 +178,7 @@ def main():
                                 in_batch=args.in_batch_negatives, gather=gather,
                                 label_offset=ctx.rank * args.batch_size * args.n_passages if gather else 0,
                                 distill=(args.distill_weight, args.teacher_temperature),
-                                matryoshka=(*dims, settings["normalize"]))
+                                matryoshka=(*dims, settings["normalize"]), mask_duplicates=args.mask_duplicates)
     fwd_bwd = functools.partial(loop.grad_cache_step if args.grad_cache else loop.plain_step, loss_fn=loss_fn,
                                 accum=args.grad_accum_steps, autocast=(ctx.device.type, autocast_dtype))
     val_score = functools.partial(score_groups, collate=collate, temperature=args.temperature, device=ctx.device,

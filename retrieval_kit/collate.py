@@ -6,6 +6,8 @@ of 8 for tensor cores), never to the max length.
 
 import re
 
+import torch
+
 from .chunking import chunk_batch
 
 def tokenize(tokenizer, texts, max_length, prefix="", pad_to_multiple_of=None):
@@ -203,15 +205,26 @@ def pair_post_processor(tokenizer, layout):
     return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair), special_tokens=specials)
 
 
+def text_keys(texts):
+    """A 64-bit key per text (blake2b of its UTF-8 bytes): equal texts, equal keys, on every rank
+    and in every process (Python's hash() is salted per process)."""
+    import hashlib
+
+    return torch.tensor([int.from_bytes(hashlib.blake2b(t.encode("utf-8"), digest_size=8).digest(), "little",
+                                        signed=True) for t in texts], dtype=torch.int64)
+
+
 def biencoder_inputs(queries, groups, *, tokenizer, query_max_length, passage_max_length, query_prefix="",
                      passage_prefix="", pad_to_multiple_of=None, chunk_tokens=0, same_chunk_count=False):
     """One bi-encoder micro-batch as BiEncoder takes it: {"q": Chunked, "p": Chunked}, each cut into
     length chunks of at most `chunk_tokens` padded tokens (chunking.chunk_batch), of widths rounded
-    to `pad_to_multiple_of`; `same_chunk_count`: as many chunks on every rank (FSDP2)."""
+    to `pad_to_multiple_of`; `same_chunk_count`: as many chunks on every rank (FSDP2). Also
+    "p_keys", each passage's text_keys, for the loss's duplicate masking (not a model input)."""
     q, p = collate_biencoder(tokenizer, queries, groups, query_max_length, passage_max_length, query_prefix,
                              passage_prefix, pad_to_multiple_of)
     return {"q": chunk_batch(q, chunk_tokens, pad_to_multiple_of, query_max_length if same_chunk_count else None),
-            "p": chunk_batch(p, chunk_tokens, pad_to_multiple_of, passage_max_length if same_chunk_count else None)}
+            "p": chunk_batch(p, chunk_tokens, pad_to_multiple_of, passage_max_length if same_chunk_count else None),
+            "p_keys": text_keys([t for g in groups for t in g])}
 
 
 def rerank_inputs(queries, groups, *, tokenizer, layout, max_length, pad_to_multiple_of=None, chunk_tokens=0,

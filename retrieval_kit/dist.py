@@ -190,6 +190,15 @@ def reduce_mean_tensor(t):
     return t
 
 
+def gather(t):
+    """Concatenate `t` from all ranks in rank order, without a graph (ids, keys, masks)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts, dim=0)
+
+
 def gather_with_grad(t):
     """Concatenate `t` from all ranks in rank order, keeping the autograd graph.
 

@@ -26,8 +26,8 @@ def _set_rng_state(state):
 
 def grad_cache(model, inputs, run, loss_fn, accum=1, sync=True):
     """inputs: {name: chunking.Chunked}; run(model, name, sub_batch) -> that piece's output rows;
-    loss_fn({name: full outputs in batch order}) -> (loss, extra). Backpropagates loss / accum and
-    returns (loss detached, extra), with the parameter gradients accumulated."""
+    loss_fn({name: full outputs in batch order}) -> (loss, *extra). Backpropagates loss / accum and
+    returns (loss detached, *extra), with the parameter gradients accumulated."""
     parts = [(name, start, end, sub) for name, c in inputs.items() for start, end, sub in c.pieces()]
     buffers, states = {}, []
     with torch.no_grad():
@@ -39,7 +39,7 @@ def grad_cache(model, inputs, run, loss_fn, accum=1, sync=True):
             buffers[name][start:end] = out
             del out
     full = {name: inputs[name].restore(t).requires_grad_(True) for name, t in buffers.items()}
-    loss, extra = loss_fn(full)
+    loss, *extra = loss_fn(full)
     (loss / accum).backward()
     after = _rng_state()
     for i, ((name, start, end, sub), state) in enumerate(zip(parts, states)):
@@ -49,4 +49,4 @@ def grad_cache(model, inputs, run, loss_fn, accum=1, sync=True):
             cached = full[name].grad[inputs[name].batch_rows(start, end)]
             (out * cached).sum().backward()  # d loss / d params through this piece's outputs
     _set_rng_state(after)
-    return loss.detach(), extra
+    return (loss.detach(), *extra)

@@ -96,9 +96,9 @@ def plain_step(model, batch, loss_fn, accum, sync, autocast=(None, None)):
     with dist.grad_sync(model, sync):
         with precision.autocast(*autocast):
             out = model(**inputs)
-        loss, acc = loss_fn(out, **targets)
+        loss, *rest = loss_fn(out, **targets)  # (accuracy[, {name: count to sum}])
         (loss / accum).backward()
-    return loss.detach(), acc
+    return (loss.detach(), *rest)
 
 
 def grad_cache_step(model, batch, loss_fn, accum, sync, autocast=(None, None)):
@@ -142,11 +142,15 @@ class StepSums:
         self.loss = torch.zeros((), dtype=torch.float64, device=device)
         self.acc = torch.zeros((), dtype=torch.float64, device=device)
         self.micro_batches, self.queries, self.tokens = 0, 0, 0
+        self.counts = {}
 
-    def add(self, inputs, loss, acc):
-        """One micro-batch: its inputs ({name: Chunked}), mean loss and per-query accuracy (Q,)."""
+    def add(self, inputs, loss, acc, counts=None):
+        """One micro-batch: its inputs ({name: Chunked}), mean loss, per-query accuracy (Q,), and any
+        counts the loss reports ({name: 0-d tensor}, summed over micro-batches and ranks)."""
         self.loss += loss.double()
         self.acc += acc.mean().double()
+        for k, v in (counts or {}).items():
+            self.counts[k] = self.counts.get(k, 0.0) + v.detach().double()
         self.micro_batches += 1
         self.queries += acc.numel()
         self.tokens += sum(c.n_tokens for c in inputs.values() if isinstance(c, Chunked))
@@ -163,9 +167,11 @@ def finish_step(model, optimizer, scheduler, state, sums, stop_requested, max_gr
                                use_buckets=getattr(model, "gradient_as_bucket_view", False))  # DDP's flag
     device, accum = sums.loss.device, sums.micro_batches
     host = torch.tensor([float(sums.tokens), float(stop_requested)], dtype=torch.float64)
+    names = sorted(sums.counts)  # the same on every rank: the same loss_fn
     vec = dist.reduce_mean_tensor(torch.cat([torch.stack([sums.loss / accum, sums.acc / accum]),
-                                             host.to(device, non_blocking=True)]))
-    grad_norm, loss, acc, tokens, stop = torch.cat([norm.detach().double().view(1).to(device), vec]).tolist()
+                                             host.to(device, non_blocking=True)]
+                                            + [sums.counts[k].view(1).to(device) for k in names]))
+    grad_norm, loss, acc, tokens, stop, *counts = torch.cat([norm.detach().double().view(1).to(device), vec]).tolist()
     lr = scheduler.get_last_lr()[0]
     state.bad_in_a_row = optim.step_if_finite(optimizer, scheduler, grad_norm, state.bad_in_a_row, max_bad_steps,
                                               state.step + 1)
@@ -178,6 +184,7 @@ def finish_step(model, optimizer, scheduler, state, sums, stop_requested, max_gr
     scalars = {"loss": loss, "loss_avg_window": state.loss_avg.value, "acc": acc, "lr": lr, "grad_norm": grad_norm,
                "skipped_steps": state.skipped, "samples_per_s": sums.queries * dist.world_size() / dt,
                "tokens_per_s": tokens * dist.world_size() / dt}
+    scalars.update({k: c * dist.world_size() for k, c in zip(names, counts)})  # totals over ranks
     if device.type == "cuda":  # this rank's high-water mark so far (a host-side counter: no sync)
         scalars["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
     return scalars

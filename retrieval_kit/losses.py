@@ -26,9 +26,29 @@ def contrastive_scores(q, p, n_passages, in_batch=True):
         return torch.einsum("bh,bnh->bn", q, groups)  # (B, n)
 
 
-def contrastive_loss(q, p, n_passages, temperature=0.05, in_batch=True, label_offset=0):
-    """Mean InfoNCE over the B queries in q; see the module docstring for the layout."""
+def duplicate_mask(p_keys, n_passages, in_batch=True, label_offset=0, all_keys=None):
+    """(B, P) (or (B, n) without in-batch negatives) True where a candidate is the query's own
+    positive again - the same text in another row: another query's positive or hard negative, or
+    one of its own negatives - but not the positive's own row. `p_keys` are this rank's passage
+    keys (collate.text_keys, query-major); `all_keys` every candidate's (gathered over ranks)."""
+    b = p_keys.shape[0] // n_passages
+    pos = p_keys.view(b, n_passages)[:, 0]  # (B,)
+    if not in_batch:
+        mask = p_keys.view(b, n_passages) == pos[:, None]
+        mask[:, 0] = False
+        return mask
+    cand = p_keys if all_keys is None else all_keys
+    mask = cand[None, :] == pos[:, None]  # (B, P)
+    mask[torch.arange(b, device=mask.device), torch.arange(b, device=mask.device) * n_passages + label_offset] = False
+    return mask
+
+
+def contrastive_loss(q, p, n_passages, temperature=0.05, in_batch=True, label_offset=0, mask=None):
+    """Mean InfoNCE over the B queries in q; see the module docstring for the layout. `mask`
+    (duplicate_mask): candidates left out of each query's softmax."""
     scores = contrastive_scores(q, p, n_passages, in_batch) / temperature
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
     if in_batch:
         labels = torch.arange(q.shape[0], device=q.device) * n_passages + label_offset
     else:
@@ -98,7 +118,8 @@ def add_distill_args(group):
                             "teacher's cosines want about its training temperature, e.g. 0.05)")
 
 
-def matryoshka_loss(q, p, n_passages, dims, weights, normalize, temperature=0.05, in_batch=True, label_offset=0):
+def matryoshka_loss(q, p, n_passages, dims, weights, normalize, temperature=0.05, in_batch=True, label_offset=0,
+                    mask=None):
     """Matryoshka representation learning (Kusupati et al., 2022): the weighted sum over `dims` of
     contrastive_loss on the first d dimensions of every embedding, re-normalized when the model
     normalizes (a unit vector's prefix is not one). q, p and the layout as contrastive_loss."""
@@ -107,7 +128,7 @@ def matryoshka_loss(q, p, n_passages, dims, weights, normalize, temperature=0.05
         qd, pd = q[:, :d], p[:, :d]
         if normalize:
             qd, pd = F.normalize(qd.float(), dim=-1), F.normalize(pd.float(), dim=-1)
-        total = total + w * contrastive_loss(qd, pd, n_passages, temperature, in_batch, label_offset)
+        total = total + w * contrastive_loss(qd, pd, n_passages, temperature, in_batch, label_offset, mask)
     return total
 
 

@@ -257,6 +257,28 @@ def main():
     results["sharded_encoding_fsdp2"] = {
         "max_diff": (whole - encode_sharded(fsdp_model, tok, texts, 48, batch_size=8)).abs().max().item()}
 
+    # ----- duplicate masking with gathered negatives: 2 ranks mask what one process masks ---------
+    from retrieval_kit.collate import biencoder_inputs
+    from train_biencoder import infonce
+    queries, groups = steps[0]
+    groups = [list(g) for g in groups]
+    groups[B][1] = groups[0][0]  # rank 1's first negative is rank 0's first positive
+    groups[1][2] = groups[B + 1][0]  # and the other way round
+    collate = dict(tokenizer=tok, query_max_length=16, passage_max_length=32)
+
+    def masked(qs, gs, gather, offset):
+        batch = biencoder_inputs(qs, gs, **collate)
+        with torch.no_grad():
+            out = BiEncoder(enc0)(q=batch["q"], p=batch["p"])
+        loss, _, counts = infonce(out, N, TEMP, True, gather, offset, p_keys=batch["p_keys"])
+        return loss.item(), counts["duplicates_masked"].item()
+    ref_loss, ref_count = masked(queries, groups, False, 0)
+    mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
+    loss, count = masked(queries[mine], groups[mine], True, ctx.rank * B * N)
+    total = dist.all_reduce_sum([loss, count])
+    results["masked_gather"] = {"loss_diff": abs(total[0] / ctx.world_size - ref_loss), "count": total[1],
+                                "ref_count": ref_count}
+
     # ----- search split over ranks (each its shard, top k merged) equals one exact search ---------
     from retrieval_kit.search import exact_topk, sharded_topk
     gen = torch.Generator().manual_seed(3)  # the same embeddings on both ranks

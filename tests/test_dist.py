@@ -142,3 +142,9 @@ def test_fsdp2_from_the_meta_device_loads_once_on_rank_0(results, kind):
     assert r1["loaded_bytes"] == 0 and r0["loaded_bytes"] == r0["full_bytes"] > 0, (r0, r1)
     assert r0["value_diff"] == 0.0 and r0["rank_spread"] == 0.0 and r1["rank_spread"] == 0.0, (r0, r1)
     assert r0["buffers_equal"] and r1["buffers_equal"] and r0["devices"] == r1["devices"] == ["cpu"], (r0, r1)
+
+
+def test_duplicates_are_masked_across_ranks_as_in_one_process(results):
+    """Gathered negatives: a rank's query loses its positive's twin held by the other rank."""
+    r = results["masked_gather"]
+    assert r["count"] == r["ref_count"] >= 2 and r["loss_diff"] < TOL, r
