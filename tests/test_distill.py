@@ -170,18 +170,22 @@ def test_score_file_killed_and_resumed_or_on_two_ranks_equals_one_written_in_one
 
 
 def test_distilled_run_on_two_ranks_logs_the_losses_of_one_process(scored, no_dropout_dir, tmp_path):
-    """train_biencoder.py --distill-weight: 2 ranks x 4 queries (gathered negatives) log the losses
-    of one process with 8 (dropout off: the ranks draw their own masks)."""
+    """train_biencoder.py --distill-weight, with Matryoshka sizes and duplicate masking (the
+    default) too: 2 ranks x 4 queries (gathered negatives) log the losses of one process with 8
+    (dropout off: the ranks draw their own masks), and the export lists the sizes."""
+    from retrieval_kit.export import load_settings
+
     _, _, scores, _ = scored
     common = ["--model", no_dropout_dir, "--train-file", scores, "--val-file", "", "--max-steps", 2,
               "--warmup-steps", 1, "--n-passages", 3, "--passage-max-length", 48, "--chunk-tokens", 96,
-              "--teacher-temperature", 0.5]
+              "--teacher-temperature", 0.5, "--matryoshka-dims", "32,16,8", "--matryoshka-weights", "1,1,0.5"]
     runs = {}
     for name, nproc, batch, weight in (("one", 1, 8, 1.0), ("two", 2, 4, 1.0)):
         run_script("train_biencoder.py", common + ["--batch-size", batch, "--distill-weight", weight,
                                                    "--output-dir", tmp_path / name], nproc)
         runs[name] = [r["loss"] for r in read_jsonl(tmp_path / name / "metrics.jsonl") if r["split"] == "train"]
     assert runs["one"] == pytest.approx(runs["two"], abs=1e-5)  # (the term's effect: the GradCache test above)
+    assert load_settings(str(tmp_path / "one" / "final"))["matryoshka_dims"] == [32, 16, 8]
 
 
 def test_distill_weight_without_teacher_scores_is_one_sentence(tiny_model_dir, small_train_file, tmp_path):
