@@ -76,7 +76,7 @@ def test_grad_cache_step_gives_the_plain_steps_loss_and_grads_with_the_kl_term(t
     def run(step, weight):
         model.zero_grad()
         torch.manual_seed(3)
-        loss, _ = step(model, batch, lambda out, **t: infonce(out, 2, 0.05, True, False, 0, (weight, 0.5), **t), 1,
+        loss, *_ = step(model, batch, lambda out, **t: infonce(out, 2, 0.05, True, False, 0, (weight, 0.5), **t), 1,
                        True)
         return loss.item(), {n: x.grad.clone() for n, x in params if x.grad is not None}
 

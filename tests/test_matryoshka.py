@@ -58,7 +58,7 @@ def test_grad_cache_step_gives_the_plain_steps_matryoshka_loss_and_grads(tiny_mo
     def run(step, dims):
         model.zero_grad()
         torch.manual_seed(3)
-        loss, _ = step(model, batch, lambda out: infonce(out, 2, 0.05, True, False, 0, matryoshka=(*dims, True)),
+        loss, *_ = step(model, batch, lambda out: infonce(out, 2, 0.05, True, False, 0, matryoshka=(*dims, True)),
                        1, True)
         return loss.item(), {n: x.grad.clone() for n, x in enc.named_parameters() if x.grad is not None}
 
