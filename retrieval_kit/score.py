@@ -146,7 +146,7 @@ def main(argv=None):
     ctx = dist.init()
     corpus = read_corpus(args.corpus) if args.corpus else None
     records, _ = read_records(args.input, corpus=corpus)
-    dist.print0(f"{args.input}: {records.summary}")
+    dist.print0(records.summary)  # names the file
     scorer = Scorer(args.model, ctx.device, args.batch_size, args.trust_remote_code)
     parts = args.out + ".parts"
     manifest = {"input": os.path.abspath(args.input), "model": os.path.abspath(args.model),
