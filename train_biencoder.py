@@ -25,11 +25,12 @@ from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder, loa
 from retrieval_kit.st_format import SETTING_KEYS, resolve_biencoder_settings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPT_KEYS = ("query_prefix", "passage_prefix")  # what a --train-mix line may set for its file
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = data.add_data_args(p, os.path.join(HERE, "data"), n_passages=2, batch_size=16)
+    g = data.add_data_args(p, os.path.join(HERE, "data"), n_passages=2, batch_size=16, prompt_keys=PROMPT_KEYS)
     # these six default to what the model dir declares (its sentence-transformers files), else the kit's defaults
     g.add_argument("--query-max-length", type=flags.positive_int, default=None,
                    help="tokens per query, truncated beyond (default: the model dir's max_seq_length, else 32)")
@@ -127,7 +128,7 @@ def main():
     dist.seed_all(args.seed, ctx.rank)  # dropout differs per rank; data order comes from args.seed
 
     # ----- data: read and validate everything before any model is loaded -----------------------
-    records, val_records = data.read_train_val(args, ctx.world_size)
+    files, val_records = data.read_train_val(args, ctx.world_size, PROMPT_KEYS)  # [TrainFile]: each its records
     beir = evaluate.load_beir(args.eval_beir) if args.eval_beir else None
     gather = args.gather_negatives if args.gather_negatives is not None else ctx.world_size > 1
     loop.check_step_flags(args.grad_cache, args.static_graph)
@@ -171,7 +172,8 @@ def main():
         passage_prefix=settings["passage_prefix"], pad_to_multiple_of=args.pad_to_multiple_of,
         chunk_tokens=args.chunk_tokens, same_chunk_count=args.parallel == "fsdp2")
     workers = loop.num_workers(args.num_workers, ctx.device)
-    dataset = data.StepBatches(records, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed, collate,
+    dataset = data.StepBatches(files, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed,
+                               [functools.partial(collate, **f.prompts) for f in files],  # a file's own prompts
                                scores=args.distill_weight > 0)  # teacher scores ride with the batch
     batches = loop.step_batches(dataset, start_step, args.max_steps, args.grad_accum_steps, workers, ctx.device)
     loss_fn = functools.partial(infonce, n=args.n_passages, temperature=args.temperature,
@@ -188,9 +190,10 @@ def main():
     logger = log.start(args, ctx, args.output_dir, args.max_steps, start_step, args.log_every,
                        ("loss", "loss_avg_window", "lr", "samples_per_s"), model_dir=model_dir,
                        storage_dtype=str(storage_dtype), settings=settings, gather_negatives=gather,
-                       n_train=len(records), n_val=len(val_records), steps_per_epoch=dataset.steps_per_epoch,
+                       n_train=sum(len(f.records) for f in files), n_val=len(val_records),
+                       train_files=args.train_mixture, steps_per_epoch=dataset.steps_per_epoch,
                        num_workers=workers, flops_per_token=log.flops_per_token(encoder),
-                       summary=f"world {ctx.world_size} on {ctx.device}; {len(records)} train groups, "
+                       summary=f"world {ctx.world_size} on {ctx.device}; {data.describe_files(files)}, "
                                f"{len(val_records)} val; {args.batch_size * ctx.world_size * args.grad_accum_steps} "
                                f"queries x {args.n_passages} passages per step; {args.parallel}, storage "
                                f"{storage_dtype}, compute {compute_dtype or storage_dtype}")
@@ -226,7 +229,7 @@ def main():
             sums.add(inputs, *fwd_bwd(model, inputs, sync=micro == args.grad_accum_steps - 1))
         scalars = loop.finish_step(model, optimizer, scheduler, state, sums, stop.requested, args.max_grad_norm,
                                    args.max_bad_steps)  # clip -> step or skip -> reduce over ranks -> stop flag
-        logger.log_step(state.step, scalars)
+        logger.log_step(state.step, {**scalars, **dataset.drawn(state.step * args.grad_accum_steps)})
 
     if state.stopping:
         return loop.stop_early(logger, stop, state.step, args.output_dir)

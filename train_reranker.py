@@ -27,11 +27,13 @@ from retrieval_kit.models import (CrossEncoder, default_model_dir, fresh_head_pa
                                   load_reranker, load_tokenizer, make_bidirectional, setup_pad_token)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPT_KEYS = ("prompt_template",)  # what a --train-mix line may set for its file
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = data.add_data_args(p, os.path.join(HERE, "data"), n_passages=4, batch_size=4, unit="pairs")
+    g = data.add_data_args(p, os.path.join(HERE, "data"), n_passages=4, batch_size=4, unit="pairs",
+                           prompt_keys=PROMPT_KEYS)
     g.add_argument("--prompt-template", default="auto",
                    help="how a pair becomes tokens: 'pair' = the tokenizer's own pair encoding ([CLS] q [SEP] p [SEP] "
                         "with token type ids), or a template holding {query} and {passage}; auto = 'pair' for "
@@ -73,6 +75,20 @@ def tokenization_settings(args, tokenizer, template):
             "pad_to_multiple_of": args.pad_to_multiple_of}
 
 
+def file_layout(tokenizer, file, config, layout, append_eos):
+    """The pair layout of one training file: the run's, or its --train-mix line's "prompt_template"
+    ('pair', 'auto' or a template holding {query} and {passage})."""
+    template = file.prompts.get("prompt_template")
+    if template is None:
+        return layout
+    if template == "auto":
+        template = DEFAULT_TEMPLATE if is_decoder_only(config) else PAIR
+    try:
+        return pair_layout(tokenizer, template, append_eos)
+    except ValueError as e:
+        raise SystemExit(f"--train-mix: {file.path}: {e}".replace("--prompt-template", '"prompt_template"')) from None
+
+
 def group_loss(out, n, loss, distill=(0.0, 1.0), teacher=None):
     """loss_fn of a step: the reranker loss over query-major groups of n pairs, positive first, plus
     distill[0] x the listwise KL term between a teacher's scores of each group (at temperature
@@ -101,7 +117,7 @@ def main():
     dist.seed_all(args.seed, ctx.rank, torch_per_rank=False)  # the same fresh head on every rank
 
     # ----- data: read and validate everything before any model is loaded -----------------------
-    records, val_records = data.read_train_val(args, ctx.world_size)
+    files, val_records = data.read_train_val(args, ctx.world_size, PROMPT_KEYS)  # [TrainFile]: each its records
     loop.check_step_flags(args.grad_cache, args.static_graph)
 
     # ----- model in the storage dtype, how pairs become tokens; resume, part 1: weights -> cast ---
@@ -124,6 +140,7 @@ def main():
         layout = pair_layout(tokenizer, template, args.append_eos)  # how every pair becomes ids, train and eval
     except ValueError as e:
         raise SystemExit(str(e)) from None  # names the flag at fault
+    layouts = {f.name: file_layout(tokenizer, f, net.config, layout, args.append_eos) for f in files}  # --train-mix
     for reason in kit_only_reasons(args.pooling, args.bidirectional):
         dist.print0(f"warning: kit-only reranker: {reason}; score the export with retrieval_kit, not "
                     "AutoModelForSequenceClassification or CrossEncoder")
@@ -158,7 +175,8 @@ def main():
                                 pad_to_multiple_of=args.pad_to_multiple_of, chunk_tokens=args.chunk_tokens,
                                 same_chunk_count=args.parallel == "fsdp2")  # each chunk's forward is a collective
     workers = loop.num_workers(args.num_workers, ctx.device)
-    dataset = data.StepBatches(records, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed, collate,
+    dataset = data.StepBatches(files, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed,
+                               [functools.partial(collate, layout=layouts[f.name]) for f in files],  # its own template
                                scores=args.distill_weight > 0)  # teacher scores ride with the batch
     batches = loop.step_batches(dataset, start_step, args.max_steps, args.grad_accum_steps, workers, ctx.device)
     loss_fn = functools.partial(group_loss, n=args.n_passages, loss=RERANK_LOSSES[args.loss],
@@ -170,10 +188,11 @@ def main():
     # ----- logging -------------------------------------------------------------------------------
     logger = log.start(args, ctx, args.output_dir, args.max_steps, start_step, args.log_every,
                        ("loss", "loss_avg_window", "acc", "lr", "samples_per_s"), model_dir=model_dir,
-                       storage_dtype=str(storage_dtype), tokenization=tok_settings, n_train=len(records),
+                       storage_dtype=str(storage_dtype), tokenization=tok_settings,
+                       n_train=sum(len(f.records) for f in files), train_files=args.train_mixture,
                        n_val=len(val_records), steps_per_epoch=dataset.steps_per_epoch, num_workers=workers,
                        flops_per_token=log.flops_per_token(net),
-                       summary=f"world {ctx.world_size} on {ctx.device}; {len(records)} train groups, "
+                       summary=f"world {ctx.world_size} on {ctx.device}; {data.describe_files(files)}, "
                                f"{len(val_records)} val; {args.batch_size * ctx.world_size * args.grad_accum_steps} "
                                f"queries x {args.n_passages} pairs per step; {args.parallel}, storage "
                                f"{storage_dtype}, compute {compute_dtype or storage_dtype}")
@@ -202,7 +221,7 @@ def main():
             sums.add(inputs, *fwd_bwd(model, inputs, sync=micro == args.grad_accum_steps - 1))
         scalars = loop.finish_step(model, optimizer, scheduler, state, sums, stop.requested, args.max_grad_norm,
                                    args.max_bad_steps)  # clip -> step or skip -> reduce over ranks -> stop flag
-        logger.log_step(state.step, scalars)
+        logger.log_step(state.step, {**scalars, **dataset.drawn(state.step * args.grad_accum_steps)})
 
     if state.stopping:
         return loop.stop_early(logger, stop, state.step, args.output_dir)

@@ -275,6 +275,10 @@ RUN_NEUTRAL = {"output_dir", "resume", "overwrite_output_dir", "allow_changed_ar
                "activation_checkpointing", "dist_backend", "dist_timeout", "sharded_checkpoints"}
 
 
+# args a script sets from what it read, not flags: how a changed one is named
+DERIVED = {"train_mixture": "the training files (name, records, weight, batches per round, prompts)"}
+
+
 def changed_args(saved, now, saved_world, world):
     """["--flag: saved -> now", ...] for what defines the run: every arg but RUN_NEUTRAL, with the
     batch counted over all ranks (`--batch-size` x ranks: the in-batch negatives; 1 rank x 8 is 2
@@ -282,7 +286,9 @@ def changed_args(saved, now, saved_world, world):
     skip = set(RUN_NEUTRAL) | {"batch_size"}
     if saved.get("lr_schedule") == now.get("lr_schedule") == "constant":
         skip.add("max_steps")
-    out = [f"--{k.replace('_', '-')}: {saved[k]!r} in the checkpoint, {now[k]!r} now"
+    if isinstance(saved.get("train_file"), str):  # one path, as checkpoints before repeatable --train-file
+        saved = {**saved, "train_file": [saved["train_file"]]}
+    out = [f"{DERIVED.get(k) or '--' + k.replace('_', '-')}: {saved[k]!r} in the checkpoint, {now[k]!r} now"
            for k in sorted(set(saved) & set(now)) if k not in skip and saved[k] != now[k]]
     before, after = saved.get("batch_size", 0) * saved_world, now.get("batch_size", 0) * world
     if before != after:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import flags
-from .formats import DataError, detect_format, jsonl_objects, raise_problems, read_corpus, unread_fields
+from .formats import DataError, detect_format, json_type, jsonl_objects, raise_problems, read_corpus, unread_fields
 from .textstore import Records, TextStore, digest
 
 
@@ -216,74 +216,278 @@ def rank_batch(order, step_in_epoch, batch_size, rank, world_size):
     return order[start:start + batch_size]
 
 
+@dataclass
+class TrainFile:
+    """One training file of a run: its records, its share of the micro-batches (`weight`; None for
+    all files: each file's number of full batches, one pass over every file a round), the name its
+    counts are logged under, and the prompts its batches are tokenized with (kept for the run header
+    and resume; a script turns them into that file's collate)."""
+    records: object
+    weight: float = None
+    name: str = "train"
+    prompts: dict = field(default_factory=dict)
+    path: str = ""
+
+
+def mixture_quotas(batches, weights):
+    """Micro-batches of each file in one round of a mixture. Without weights, each file's number of
+    full global batches (`batches`): a round is one pass over every file. With weights, the round's
+    sum(batches) micro-batches shared in proportion (largest remainders), at least 1 each."""
+    if all(w is None for w in weights):
+        return list(batches)
+    total, w = sum(batches), np.asarray(weights, dtype=np.float64)
+    raw = w / w.sum() * total
+    quotas = np.floor(raw).astype(np.int64)
+    quotas[np.argsort(quotas - raw, kind="stable")[:total - int(quotas.sum())]] += 1
+    return [max(1, int(q)) for q in quotas]
+
+
+class Mixture:
+    """Which training file micro-batch `i` comes from, and which of that file's batches it is: a
+    pure function of the seed and `i`, so every rank draws from the same file at the same step, any
+    DataLoader worker builds any batch, and a resumed run goes on where it stopped.
+
+    A round is quotas[f] micro-batches of each file f in an order shuffled from (seed, round); the
+    k-th time file f comes up it gives that file's k-th batch (its epochs follow on, a permutation
+    each). Over a round the shares are exact."""
+
+    def __init__(self, quotas, seed):
+        self.quotas, self.seed = [int(q) for q in quotas], seed
+        self.round_len = sum(self.quotas)
+        self._round, self._files, self._nth = -1, None, None
+
+    def _load(self, r):
+        if r == self._round:
+            return
+        files = [f for f, q in enumerate(self.quotas) for _ in range(q)]
+        if len(self.quotas) > 1:
+            random.Random(f"mix-{self.seed}-{r}").shuffle(files)
+        files = np.asarray(files, dtype=np.int32)
+        nth = np.empty(len(files), dtype=np.int64)
+        for f in range(len(self.quotas)):  # the how-many-th batch of its file each position is
+            at = np.nonzero(files == f)[0]
+            nth[at] = np.arange(len(at))
+        self._round, self._files, self._nth = r, files, nth
+
+    def locate(self, i):
+        """(file index, that file's batch number) of micro-batch i."""
+        r, pos = divmod(i, self.round_len)
+        self._load(r)
+        f = int(self._files[pos])
+        return f, r * self.quotas[f] + int(self._nth[pos])
+
+    def drawn(self, i):
+        """How many of micro-batches 0..i-1 each file gave."""
+        r, pos = divmod(i, self.round_len)
+        counts = np.asarray(self.quotas, dtype=np.int64) * r
+        if pos:
+            self._load(r)
+            counts += np.bincount(self._files[:pos], minlength=len(self.quotas))
+        return counts.tolist()
+
+
+def file_seed(seed, f):
+    """The data seed of a run's f-th training file (the run's own for the first: one file draws
+    what it always drew)."""
+    return seed + 100_003 * f
+
+
 class StepBatches(torch.utils.data.Dataset):
     """Micro-batch `i` of a run on this rank (i = step * grad_accum_steps + micro), sampled and
     collated: a map-style dataset indexed by the data position, so the batch depends on nothing but
     `i` - any DataLoader worker builds it, and a resumed run builds the same one.
 
-    collate(queries, groups) -> the model's inputs (collate.biencoder_inputs / rerank_inputs).
+    records: one file's records, or a list of TrainFiles: then each micro-batch (on every rank) is
+    drawn from one file, chosen by a Mixture of their weights.
+    collate(queries, groups) -> the model's inputs (collate.biencoder_inputs / rerank_inputs); with
+    several files, one collate or a list of one per file (its prompts).
     `scores`: the batch also holds "teacher", the (B, n_passages) teacher scores of the groups (NaN
     for a passage without one), for the loss (the model never sees it). The same groups either way.
     """
 
     def __init__(self, records, n_passages, batch_size, rank, world_size, seed, collate, scores=False):
-        self.records, self.n, self.batch_size, self.rank, self.world = records, n_passages, batch_size, rank, world_size
-        self.seed, self.collate, self.scores = seed, collate, scores
-        self.steps_per_epoch = steps_per_epoch(len(records), batch_size, world_size)
-        self._epoch, self._order = -1, None
+        files = records if isinstance(records, list) and records and isinstance(records[0], TrainFile) \
+            else [TrainFile(records)]
+        self.files, self.n, self.batch_size, self.rank, self.world = files, n_passages, batch_size, rank, world_size
+        self.seed, self.scores = seed, scores
+        self.collates = collate if isinstance(collate, (list, tuple)) else [collate] * len(files)
+        self.batches = [steps_per_epoch(len(f.records), batch_size, world_size) for f in files]
+        self.mixture = Mixture(mixture_quotas(self.batches, [f.weight for f in files]), seed)
+        self.steps_per_epoch = self.mixture.round_len  # micro-batches per round (one file: per epoch)
+        self._orders = {}  # file -> (epoch, permutation), kept by each worker
 
     def __getitem__(self, i):
-        epoch, pos = divmod(i, self.steps_per_epoch)
-        if epoch != self._epoch:  # one permutation per epoch, kept by each worker
-            self._epoch, self._order = epoch, epoch_order(len(self.records), self.seed, epoch)
-        idx = rank_batch(self._order, pos, self.batch_size, self.rank, self.world)
+        f, k = self.mixture.locate(i)
+        records, seed = self.files[f].records, file_seed(self.seed, f)
+        epoch, pos = divmod(k, self.batches[f])
+        if self._orders.get(f, (None,))[0] != epoch:  # one permutation per epoch of each file
+            self._orders[f] = (epoch, epoch_order(len(records), seed, epoch))
+        idx = rank_batch(self._orders[f][1], pos, self.batch_size, self.rank, self.world)
         if not self.scores:
-            groups = [sample_group(self.records[j], self.n, group_rng(self.seed, epoch, j)) for j in idx]
-            return self.collate([self.records[j].query for j in idx], groups)
-        drawn = [sample_group_scored(self.records[j], self.n, group_rng(self.seed, epoch, j)) for j in idx]
-        batch = self.collate([self.records[j].query for j in idx], [g for g, _ in drawn])
+            groups = [sample_group(records[j], self.n, group_rng(seed, epoch, j)) for j in idx]
+            return self.collates[f]([records[j].query for j in idx], groups)
+        drawn = [sample_group_scored(records[j], self.n, group_rng(seed, epoch, j)) for j in idx]
+        batch = self.collates[f]([records[j].query for j in idx], [g for g, _ in drawn])
         return {**batch, "teacher": torch.tensor([s for _, s in drawn], dtype=torch.float32)}
 
+    def drawn(self, i):
+        """{"drawn/<file name>": how many of micro-batches 0..i-1 came from it} with several files,
+        else {} (the per-file counts a run logs)."""
+        if len(self.files) == 1:
+            return {}
+        return {f"drawn/{f.name}": n for f, n in zip(self.files, self.mixture.drawn(i))}
 
-def read_train_val(args, world_size):
-    """Read and validate the training and validation files (and --corpus) named by the data flags
-    (add_data_args), before any model is loaded: (records, val_records); what was read and any
-    warnings printed on rank 0. Fewer records than one global batch is an error."""
+
+def describe_files(files):
+    """'2975 train groups', or '5950 train groups in 2 files' (a run's summary line)."""
+    n = sum(len(f.records) for f in files)
+    return f"{n} train groups" + (f" in {len(files)} files" if len(files) > 1 else "")
+
+
+MIX_KEYS = ("file", "weight", "name")  # a --train-mix line's keys besides the script's prompt keys
+
+
+def read_mix(path, prompt_keys):
+    """--train-mix: a JSONL file, one training file per line: {"file": path (relative to the mix
+    file's folder), "weight": its share (optional: all or none), "name": what its counts are logged
+    as (optional; default the file's name), and the script's `prompt_keys` (optional)}.
+    -> [dict]; every bad line reported as `file:line: problem` at once (DataError)."""
+    import os
+
+    problems, entries = [], []
+    known = MIX_KEYS + tuple(prompt_keys)
+    for lineno, obj in jsonl_objects(path, problems):
+        where = f"{path}:{lineno}"
+        unknown = sorted(set(obj) - set(known))
+        if unknown:
+            problems.append(f"{where}: unknown key {unknown[0]!r} (a line may hold: {', '.join(known)})")
+            continue
+        file, weight = obj.get("file"), obj.get("weight")
+        if not isinstance(file, str) or not file:
+            problems.append(f"{where}: \"file\" must be the path of a training file, got "
+                            f"{'nothing' if file is None else json_type(file)}")
+            continue
+        full = os.path.join(os.path.dirname(path), os.path.expanduser(file))
+        if not os.path.isfile(full):
+            problems.append(f"{where}: no such file: {full}")
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                                   or not 0 < weight < float("inf")):
+            problems.append(f"{where}: \"weight\" must be a positive number, got {weight!r}")
+        for k in ("name", *prompt_keys):
+            if k in obj and not isinstance(obj[k], str):
+                problems.append(f"{where}: {k!r} must be a string, got {json_type(obj[k])}")
+        entries.append({**obj, "file": full, "where": where})
+    if not entries and not problems:
+        problems.append(f"{path}: no training files listed (one JSON object per line, e.g. "
+                        '{"file": "a.jsonl", "weight": 2})')
+    given = [e for e in entries if e.get("weight") is not None]
+    if given and len(given) < len(entries):
+        first = next(e for e in entries if e.get("weight") is None)
+        problems.append(f"{first['where']}: no \"weight\", while {given[0]['where']} has one: give every line "
+                        "a weight, or none (each file's share is then its size)")
+    raise_problems(path, problems)
+    return entries
+
+
+def _file_names(paths, names):
+    """What each training file's counts are logged as: its given name, else its file name without
+    .jsonl / .gz (numbered where two are alike)."""
+    import os
+
+    out = []
+    for path, name in zip(paths, names):
+        base = name or os.path.basename(path)
+        for ext in (".gz", ".jsonl", ".json"):
+            base = base[:-len(ext)] if not name and base.endswith(ext) else base
+        out.append(base)
+    return [n if out.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(out)]
+
+
+def training_files(args, prompt_keys=()):
+    """The run's training files from --train-file (repeatable) and --train-weights, or --train-mix
+    (then args.train_file is set to []): [{"file", "weight", "name", prompt keys...}], checked (one
+    sentence naming the flag, or each bad line of the mix file)."""
+    weights = getattr(args, "train_weights", None)
+    if getattr(args, "train_mix", None):
+        if weights:
+            raise SystemExit("--train-weights: not with --train-mix (each of its lines carries its weight)")
+        entries = read_mix(args.train_mix, prompt_keys)
+        args.train_file = []  # not the flag's default: the run header says what was read (train_mixture)
+    else:
+        paths = [args.train_file] if isinstance(args.train_file, str) else list(args.train_file)
+        if weights and len(weights) != len(paths):
+            raise SystemExit(f"--train-weights: {len(weights)} weight(s) for {len(paths)} --train-file(s): give one "
+                             "per file, in the same order")
+        entries = [{"file": p, "weight": w} for p, w in zip(paths, weights or [None] * len(paths))]
+    names = _file_names([e["file"] for e in entries], [e.get("name") for e in entries])
+    return [{**e, "name": n} for e, n in zip(entries, names)]
+
+
+def read_train_val(args, world_size, prompt_keys=()):
+    """Read and validate the training files (training_files) and the validation file (and --corpus)
+    named by the data flags (add_data_args), before any model is loaded: ([TrainFile],
+    val_records); what was read and any warnings printed on rank 0. A file with fewer records than
+    one global batch is an error. Sets args.train_mixture, what the files are (name, records,
+    weight, batches per round, prompts), so a resume on other data is refused as a changed arg."""
     from .dist import print0
 
+    entries = training_files(args, prompt_keys)
     corpus = read_corpus(args.corpus) if args.corpus else None
     if corpus is not None:
         print0(f"corpus: {args.corpus}: {len(corpus):,} documents")
-    records, warnings = read_records(args.train_file, args.n_passages, corpus, args.fill_negatives)
-    print0(f"train: {records.summary}")
+    files, warnings = [], []
+    for e in entries:
+        records, file_warnings = read_records(e["file"], args.n_passages, corpus, args.fill_negatives)
+        print0(f"train: {records.summary}")
+        warnings += file_warnings
+        files.append(TrainFile(records, e.get("weight"), e["name"], {k: e[k] for k in prompt_keys if k in e}, e["file"]))
     val_records = []
     if args.val_file:
         val_records, val_warnings = read_records(args.val_file, args.val_n_passages, corpus, args.fill_negatives)
         print0(f"val: {val_records.summary}")
         warnings += val_warnings
         val_records = val_records[:args.val_max_groups or len(val_records)]
-    if getattr(args, "distill_weight", 0) > 0 and records.pos_scores is None:
-        raise SystemExit(f"--distill-weight {args.distill_weight}: {args.train_file} has no teacher scores "
-                         "(pos_scores / neg_scores); write them with python -m retrieval_kit.score")
-    if steps_per_epoch(len(records), args.batch_size, world_size) == 0:
-        raise SystemExit(f"{args.train_file}: {len(records)} records are fewer than one global batch "
-                         f"({args.batch_size} x {world_size} ranks)")
+    for f in files:
+        if getattr(args, "distill_weight", 0) > 0 and f.records.pos_scores is None:
+            raise SystemExit(f"--distill-weight {args.distill_weight}: {f.path} has no teacher scores "
+                             "(pos_scores / neg_scores); write them with python -m retrieval_kit.score")
+        if steps_per_epoch(len(f.records), args.batch_size, world_size) == 0:
+            raise SystemExit(f"{f.path}: {len(f.records)} records are fewer than one global batch "
+                             f"({args.batch_size} x {world_size} ranks)")
+    quotas = mixture_quotas([steps_per_epoch(len(f.records), args.batch_size, world_size) for f in files],
+                            [f.weight for f in files])
+    args.train_mixture = [{"name": f.name, "records": len(f.records), "weight": f.weight, "batches_per_round": q,
+                           **f.prompts} for f, q in zip(files, quotas)]
+    if len(files) > 1:
+        print0("train mixture, micro-batches per round: " + ", ".join(
+            f"{f.name} {q} ({q / sum(quotas):.1%})" for f, q in zip(files, quotas)))
     for w in warnings:
         print0(f"warning: {w}")
-    return records, val_records
+    return files, val_records
 
 
 CHUNK_TOKENS = 1024  # measured faster on the default model and data (README, Benchmark)
 
 
-def add_data_args(parser, data_dir, n_passages, batch_size, unit="passages"):
-    """The data flags both scripts share (each adds its own tokenization flags to the group)."""
+def add_data_args(parser, data_dir, n_passages, batch_size, unit="passages", prompt_keys=()):
+    """The data flags both scripts share (each adds its own tokenization flags to the group);
+    `prompt_keys`: the flags a --train-mix line may set for its file (e.g. query_prefix)."""
     import os
 
     g = parser.add_argument_group("data")
-    g.add_argument("--train-file", default=os.path.join(data_dir, "train.jsonl"),
-                   help="training JSONL, plain or .gz: NeMo inline, FlagEmbedding, sentence-transformers columns or "
-                        "Tevatron, told from its first record")
+    which = g.add_mutually_exclusive_group()
+    which.add_argument("--train-file", action=flags.Repeatable, default=[os.path.join(data_dir, "train.jsonl")],
+                       help="training JSONL, plain or .gz: NeMo inline, FlagEmbedding, sentence-transformers columns or "
+                            "Tevatron, told from its first record. Repeat it to train on several files: each "
+                            "micro-batch is drawn from one of them (default: the bundled data/train.jsonl)")
+    which.add_argument("--train-mix", default=None,
+                       help="a JSONL file listing the training files, one per line: {\"file\": path (relative to it), "
+                            "\"weight\": share of the micro-batches, \"name\": logged as, and per-file prompts" +
+                            (f" ({', '.join(chr(34) + k + chr(34) for k in prompt_keys)})" if prompt_keys else "") +
+                            "}; instead of --train-file")
+    g.add_argument("--train-weights", type=flags.listed(flags.positive_float), default=None,
+                   help="one weight per --train-file: each file's share of the micro-batches (default: in proportion "
+                        "to its size, every file once a round)")
     g.add_argument("--corpus", default=None,
                    help="BEIR corpus.jsonl (plain or .gz) that docs given by id refer to (NeMo strings or {\"id\"}, "
                         "Tevatron passages without text); each passage text is then stored once")

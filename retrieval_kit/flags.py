@@ -44,6 +44,15 @@ def listed(item):
     return parse
 
 
+class Repeatable(argparse.Action):
+    """A flag that may be given several times: the values, in order, in place of the default (a
+    list; argparse's own "append" would add them to it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        current = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, (list(current) if current is not self.default else []) + [values])
+
+
 def os_reason(e):
     """An OSError (or safetensors' I/O error) in a few words, or None for any other exception."""
     if isinstance(e, (FileExistsError, NotADirectoryError)):
