@@ -109,14 +109,19 @@ def infonce(out, n, temperature, in_batch, gather, label_offset, distill=(0.0, 1
         return loss, top1(scores, target), {"duplicates_masked": masked}
 
 
-def score_groups(model, queries, groups, collate, temperature, device, autocast_dtype):
-    """Validation: each query against its own group only -> ((b, n) scores, mean InfoNCE)."""
+def score_groups(model, queries, groups, collate, temperature, device, autocast_dtype, mask_duplicates=True):
+    """Validation: each query against its own group only -> ((b, n) scores, mean InfoNCE); with
+    `mask_duplicates`, a copy of the positive among its group's negatives scores -inf (as in
+    training: out of the softmax, and no tie against the positive)."""
     n = len(groups[0])
-    inputs, _ = loop.split_batch(loop.to_device(collate(queries, groups), device))  # the model's inputs only
+    inputs, targets = loop.split_batch(loop.to_device(collate(queries, groups), device))  # model inputs | p_keys
     with precision.autocast(device.type, autocast_dtype):
         out = model(**inputs)
+    mask = duplicate_mask(targets["p_keys"], n, in_batch=False) if mask_duplicates else None
     scores = contrastive_scores(out["q"].float(), out["p"].float(), n, in_batch=False)
-    return scores, contrastive_loss(out["q"], out["p"], n, temperature, in_batch=False)
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
+    return scores, contrastive_loss(out["q"], out["p"], n, temperature, in_batch=False, mask=mask)
 
 
 def main():
@@ -184,7 +189,7 @@ def main():
     fwd_bwd = functools.partial(loop.grad_cache_step if args.grad_cache else loop.plain_step, loss_fn=loss_fn,
                                 accum=args.grad_accum_steps, autocast=(ctx.device.type, autocast_dtype))
     val_score = functools.partial(score_groups, collate=collate, temperature=args.temperature, device=ctx.device,
-                                  autocast_dtype=autocast_dtype)
+                                  autocast_dtype=autocast_dtype, mask_duplicates=args.mask_duplicates)
 
     # ----- logging -------------------------------------------------------------------------------
     logger = log.start(args, ctx, args.output_dir, args.max_steps, start_step, args.log_every,

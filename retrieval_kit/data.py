@@ -361,7 +361,6 @@ def read_mix(path, prompt_keys):
         unknown = sorted(set(obj) - set(known))
         if unknown:
             problems.append(f"{where}: unknown key {unknown[0]!r} (a line may hold: {', '.join(known)})")
-            continue
         file, weight = obj.get("file"), obj.get("weight")
         if not isinstance(file, str) or not file:
             problems.append(f"{where}: \"file\" must be the path of a training file, got "

@@ -98,3 +98,29 @@ def test_the_script_logs_the_duplicates_it_masked(tiny_model_dir, tmp_path):
                                       "--output-dir", tmp_path / "run"])
     row = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["split"] == "train"][0]
     assert row["duplicates_masked"] == 8  # each query's positive is the next query's negative
+
+
+def test_validation_leaves_a_copy_of_the_positive_out_of_its_group(tiny_model_dir):
+    """Reference: the same query scored against its group with the copy dropped by hand."""
+    import functools
+
+    from train_biencoder import score_groups
+    from retrieval_kit.metrics import group_metric_sums
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = BiEncoder(load_encoder(tiny_model_dir).eval())
+    collate = functools.partial(biencoder_inputs, tokenizer=tok, query_max_length=16, passage_max_length=16)
+    score = functools.partial(score_groups, model, collate=collate, temperature=0.05, device=torch.device("cpu"),
+                              autocast_dtype=None)
+    queries, groups = ["a tool", "a server"], [["text one", "text one", "text two"], ["text three", "a", "b"]]
+    with torch.no_grad():
+        masked, masked_loss = score(queries, groups)
+        unmasked, _ = score(queries, groups, mask_duplicates=False)
+        dropped, dropped_loss = score(queries[:1], [["text one", "text two"]])
+        others, _ = score(queries[1:], groups[1:], mask_duplicates=False)
+    assert masked[0, 1] == float("-inf") and torch.allclose(masked[0, [0, 2]], dropped[0], atol=1e-6)
+    assert torch.equal(masked[1], others[0])  # a group without a copy is untouched
+    naive = (dropped_loss.item() + F.cross_entropy(others / 0.05, torch.zeros(1, dtype=torch.long)).item()) / 2
+    assert masked_loss.item() == pytest.approx(naive, rel=1e-5)
+    assert group_metric_sums(masked)[0] == group_metric_sums(dropped)[0] + group_metric_sums(others)[0]
+    assert group_metric_sums(unmasked[:1])[0] == 0  # unmasked, the copy ties the positive: counted a miss
