@@ -276,7 +276,7 @@ RUN_NEUTRAL = {"output_dir", "resume", "overwrite_output_dir", "allow_changed_ar
 
 
 # args a script sets from what it read, not flags: how a changed one is named
-DERIVED = {"train_mixture": "the training files (name, records, weight, batches per round, prompts)"}
+DERIVED = {"train_mixture": "the training files (name, path, records, weight, batches per round, prompts)"}
 
 
 def changed_args(saved, now, saved_world, world):

@@ -426,7 +426,7 @@ def read_train_val(args, world_size, prompt_keys=()):
     """Read and validate the training files (training_files) and the validation file (and --corpus)
     named by the data flags (add_data_args), before any model is loaded: ([TrainFile],
     val_records); what was read and any warnings printed on rank 0. A file with fewer records than
-    one global batch is an error. Sets args.train_mixture, what the files are (name, records,
+    one global batch is an error. Sets args.train_mixture, what the files are (name, path, records,
     weight, batches per round, prompts), so a resume on other data is refused as a changed arg."""
     from .dist import print0
 
@@ -455,8 +455,8 @@ def read_train_val(args, world_size, prompt_keys=()):
                              f"({args.batch_size} x {world_size} ranks)")
     quotas = mixture_quotas([steps_per_epoch(len(f.records), args.batch_size, world_size) for f in files],
                             [f.weight for f in files])
-    args.train_mixture = [{"name": f.name, "records": len(f.records), "weight": f.weight, "batches_per_round": q,
-                           **f.prompts} for f, q in zip(files, quotas)]
+    args.train_mixture = [{"name": f.name, "file": f.path, "records": len(f.records), "weight": f.weight,
+                           "batches_per_round": q, **f.prompts} for f, q in zip(files, quotas)]
     if len(files) > 1:
         print0("train mixture, micro-batches per round: " + ", ".join(
             f"{f.name} {q} ({q / sum(quotas):.1%})" for f, q in zip(files, quotas)))

@@ -92,8 +92,8 @@ def test_a_files_prompt_reaches_its_batches_only(tmp_path):
     args = parse_args(["--train-mix", str(mix), "--val-file", "", "--batch-size", "2"])
     files, _ = data.read_train_val(args, 1, ("query_prefix",))
     assert [(f.name, f.prompts) for f in files] == [("a", {"query_prefix": "query: "}), ("plain", {})]
-    assert args.train_mixture[0] == {"name": "a", "records": 8, "weight": None, "batches_per_round": 4,
-                                     "query_prefix": "query: "}
+    assert args.train_mixture[0] == {"name": "a", "file": str(a), "records": 8, "weight": None,
+                                     "batches_per_round": 4, "query_prefix": "query: "}
     ds = StepBatches(files, 2, 2, 0, 1, 0, [functools.partial(queries_only, **f.prompts) for f in files])
     for i in range(8):
         q = ds[i]["q"]
@@ -174,7 +174,7 @@ def test_a_resume_mid_mixture_goes_on_exactly_and_a_changed_mix_is_refused(tiny_
     out = cli("train_biencoder.py", [changed if a == two_files else a for a in args] +
               ["--output-dir", tmp_path / "a", "--resume", "auto"])
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert "the training files (name, records, weight, batches per round, prompts)" in out.stdout + out.stderr
+    assert "the training files (name, path, records, weight, batches per round, prompts)" in out.stdout + out.stderr
 
 
 def test_the_reranker_trains_on_a_mix_with_a_files_own_template(tiny_model_dir, two_files, tmp_path):
