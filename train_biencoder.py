@@ -9,119 +9,21 @@ Debian sample data and writes runs/biencoder/: run_header.json, metrics.jsonl, t
 checkpoints and final/ (an exported model dir).
 """
 
-import argparse
 import functools
 import os
 
-import torch
-
-from retrieval_kit import ckpt, data, dist, evaluate, flags, log, loop, optim, precision
+from retrieval_kit import ckpt, cli, data, dist, evaluate, log, loop, optim, precision, records
 from retrieval_kit.collate import biencoder_inputs
 from retrieval_kit.export import export_model
-from retrieval_kit.losses import (add_distill_args, contrastive_loss, contrastive_scores, distill_kl, duplicate_mask,
-                                  matryoshka_loss, matryoshka_plan)
-from retrieval_kit.metrics import WindowedAverage, top1
+from retrieval_kit.formats import exit_on_data_error
+from retrieval_kit.losses import biencoder_loss, contrastive_loss, matryoshka, matryoshka_plan
+from retrieval_kit.metrics import WindowedAverage
 from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder, load_once, load_tokenizer
-from retrieval_kit.st_format import SETTING_KEYS, resolve_biencoder_settings
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-PROMPT_KEYS = ("query_prefix", "passage_prefix")  # what a --train-mix line may set for its file
+from retrieval_kit.st_format import resolve_biencoder_settings
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = data.add_data_args(p, os.path.join(HERE, "data"), n_passages=2, batch_size=16, prompt_keys=PROMPT_KEYS)
-    # these six default to what the model dir declares (its sentence-transformers files), else the kit's defaults
-    g.add_argument("--query-max-length", type=flags.positive_int, default=None,
-                   help="tokens per query, truncated beyond (default: the model dir's max_seq_length, else 32)")
-    g.add_argument("--passage-max-length", type=flags.positive_int, default=None,
-                   help="tokens per passage, truncated beyond (default: the model dir's max_seq_length, else 128)")
-    g.add_argument("--query-prefix", default=None, help='prepended to each query, e.g. "query: " for E5 models '
-                   "(default: the model dir's 'query' prompt, else none)")
-    g.add_argument("--passage-prefix", default=None, help='prepended to each passage, e.g. "passage: " (default: the '
-                   "model dir's 'document' prompt, else none)")
-
-    g = p.add_argument_group("model")
-    g.add_argument("--model", type=flags.model_path, default=None, help="HF model dir (default: the bundled all-MiniLM-L6-v2)")
-    g.add_argument("--pooling", choices=("avg", "cls", "last"), default=None,
-                   help="how token states become one vector (default: the model dir's sentence-transformers pooling, else avg)")
-    g.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
-                   help="L2-normalize embeddings, so scores are cosine similarities (default: as the model dir "
-                        "declares, else on)")
-    g.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dir")
-
-    g = p.add_argument_group("loss")
-    g.add_argument("--temperature", type=flags.positive_float, default=0.05,
-                   help="softmax temperature on similarities (default 0.05 = scale 20, the value MiniLM was trained with)")
-    g.add_argument("--in-batch-negatives", action=argparse.BooleanOptionalAction, default=True,
-                   help="score each query against every passage in the batch, not only its own group (default on)")
-    g.add_argument("--gather-negatives", action=argparse.BooleanOptionalAction, default=None,
-                   help="use passages from all ranks as negatives (default: on when world > 1)")
-    add_distill_args(g)
-    g.add_argument("--mask-duplicates", action=argparse.BooleanOptionalAction, default=True,
-                   help="leave a query's own positive out of its negatives wherever the same text appears again in "
-                        "the batch (another query's positive or hard negative, gathered ranks included); the count "
-                        "is logged as duplicates_masked (default on)")
-    g.add_argument("--matryoshka-dims", type=flags.listed(flags.positive_int), default=None,
-                   help="Matryoshka embeddings: the loss is the weighted sum of InfoNCE on each of these prefixes of "
-                        "the embedding, e.g. 384,256,128,64 (re-normalized when --normalize); --eval-beir reports "
-                        "each; the export lists them (default off)")
-    g.add_argument("--matryoshka-weights", type=flags.listed(flags.positive_float), default=None,
-                   help="one weight per --matryoshka-dims value (default 1 each)")
-
-    optim.add_optim_args(p, lr=5e-5, max_steps=60, warmup_steps=6)
-    precision.add_precision_args(p)
-    dist.add_dist_args(p)
-    g = loop.add_run_args(p, val_batch_size=32)
-    g.add_argument("--eval-beir", default="", help="BEIR folder for full-corpus retrieval evaluation at each "
-                   "validation (e.g. data/eval; default off: encoding a corpus is slow on CPU)")
-    g.add_argument("--eval-k", type=flags.positive_int, default=100, help="docs retrieved per query in --eval-beir (default 100)")
-    ckpt.add_ckpt_args(p, output_dir="runs/biencoder")
-    return p.parse_args(argv)
-
-
-def infonce(out, n, temperature, in_batch, gather, label_offset, distill=(0.0, 1.0), teacher=None,
-            matryoshka=((), (), True), mask_duplicates=True, p_keys=None):
-    """loss_fn of a step: InfoNCE of this rank's queries against its (with `gather`, every rank's)
-    passages (with `matryoshka` = (dims, weights, normalize), the weighted sum over those prefixes
-    of the embeddings), each query's own positive left out of its negatives wherever its text
-    appears again (`mask_duplicates`, from the batch's `p_keys`), plus distill[0] x the KL term
-    between the teacher's scores of each query's own group (at temperature distill[1]) and the
-    model's (at `temperature`). Returns (loss, each query's top-1 accuracy (ties count against the
-    positive), {"duplicates_masked": candidates left out})."""
-    p_all = dist.gather_with_grad(out["p"]) if gather else out["p"]  # (W*B*n, H); grads flow back to each rank
-    mask = None
-    if mask_duplicates and p_keys is not None:
-        mask = duplicate_mask(p_keys, n, in_batch, label_offset, dist.gather(p_keys) if gather and in_batch else None)
-    if matryoshka[0]:
-        loss = matryoshka_loss(out["q"], p_all, n, *matryoshka, temperature, in_batch, label_offset, mask)
-    else:
-        loss = contrastive_loss(out["q"], p_all, n, temperature, in_batch, label_offset, mask)
-    if teacher is not None and distill[0] > 0:  # own groups only: in-batch negatives have no teacher score
-        own = contrastive_scores(out["q"], out["p"], n, in_batch=False)  # (B, n)
-        loss = loss + distill[0] * distill_kl(own, teacher, temperature, distill[1])
-    with torch.no_grad():
-        scores = contrastive_scores(out["q"], p_all, n, in_batch)
-        if mask is not None:
-            scores = scores.masked_fill(mask, float("-inf"))
-        target = label_offset + torch.arange(len(out["q"]), device=scores.device) * n if in_batch else 0
-        masked = mask.sum() if mask is not None else torch.zeros((), device=scores.device)
-        return loss, top1(scores, target), {"duplicates_masked": masked}
-
-
-def score_groups(model, queries, groups, collate, temperature, device, autocast_dtype, mask_duplicates=True):
-    """Validation: each query against its own group only -> ((b, n) scores, mean InfoNCE); with
-    `mask_duplicates`, a copy of the positive among its group's negatives scores -inf (as in
-    training: out of the softmax, and no tie against the positive)."""
-    n = len(groups[0])
-    inputs, targets = loop.split_batch(loop.to_device(collate(queries, groups), device))  # model inputs | p_keys
-    with precision.autocast(device.type, autocast_dtype):
-        out = model(**inputs)
-    mask = duplicate_mask(targets["p_keys"], n, in_batch=False) if mask_duplicates else None
-    scores = contrastive_scores(out["q"].float(), out["p"].float(), n, in_batch=False)
-    if mask is not None:
-        scores = scores.masked_fill(mask, float("-inf"))
-    return scores, contrastive_loss(out["q"], out["p"], n, temperature, in_batch=False, mask=mask)
+    return cli.parse(cli.biencoder_parser(__doc__), argv)  # every flag: retrieval_kit/cli.py, docs/flags.md
 
 
 def main():
@@ -129,14 +31,14 @@ def main():
 
     # ----- distributed, seeds ------------------------------------------------------------------
     ctx = dist.init(args.device, args.dist_backend, args.dist_timeout)
-    precision.device_defaults(args, ctx.device)  # what `auto` means here: compute dtype, TF32, chunking
+    cli.resolve_device_defaults(args, ctx.device)  # what `auto` means here: compute dtype, TF32, chunks, workers
     dist.seed_all(args.seed, ctx.rank)  # dropout differs per rank; data order comes from args.seed
 
     # ----- data: read and validate everything before any model is loaded -----------------------
-    files, val_records = data.read_train_val(args, ctx.world_size, PROMPT_KEYS)  # [TrainFile]: each its records
+    files, val_records, args.train_mixture = records.read_train_val(  # [TrainFile]: each its records
+        cli.data_spec(args, cli.BIENCODER_PROMPT_KEYS), ctx.world_size)  # the mixture: kept with the args
     beir = evaluate.load_beir(args.eval_beir) if args.eval_beir else None
     gather = args.gather_negatives if args.gather_negatives is not None else ctx.world_size > 1
-    loop.check_step_flags(args.grad_cache, args.static_graph)
 
     # ----- model in the storage dtype; resume, part 1: weights -> cast --------------------------
     storage_dtype, compute_dtype, autocast_dtype = precision.resolve(args.torch_dtype, args.force_fp32_params,
@@ -147,19 +49,16 @@ def main():
         functools.partial(load_encoder, model_dir, storage_dtype, args.trust_remote_code, args.attn_implementation),
         args.parallel == "fsdp2", ctx)
     dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights, encoder.config.hidden_size)
-    settings, read = resolve_biencoder_settings(model_dir, {k: getattr(args, k) for k in SETTING_KEYS})
+    settings, read = resolve_biencoder_settings(model_dir, cli.setting_overrides(args))
     if read:  # what the model dir's sentence-transformers files set
         dist.print0(read)
-    resume_dir = ckpt.start_run(args, ctx.world_size)  # one run per folder; a checkpoint that verifies
+    resume_dir = ckpt.start_run(**cli.resume_request(args), run_args=vars(args), neutral=cli.run_neutral())
     if resume_dir and source is not None:
         ckpt.restore_model(source, resume_dir, storage_dtype)
 
     # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------
-    model, eval_model = dist.wrap(
-        BiEncoder(encoder, settings["pooling"], settings["normalize"]), encoder, ctx, args.parallel,
-        args.activation_checkpointing, args.compile, precision.mp_policy(compute_dtype), args.reshard_after_forward,
-        args.broadcast_buffers, args.find_unused_parameters, args.static_graph, args.bucket_cap_mb,
-        args.gradient_as_bucket_view, source)
+    model, eval_model = dist.wrap(BiEncoder(encoder, settings["pooling"], settings["normalize"]), encoder, ctx,
+                                  mp_policy=precision.mp_policy(compute_dtype), source=source, **cli.wrap_settings(args))
 
     # ----- optimizer, schedule; resume, part 2: optimizer -> scheduler -> loop state ------------
     optimizer = optim.build_optimizer(optim.param_groups(encoder, args.weight_decay), args.lr,
@@ -176,28 +75,30 @@ def main():
         passage_max_length=settings["passage_max_length"], query_prefix=settings["query_prefix"],
         passage_prefix=settings["passage_prefix"], pad_to_multiple_of=args.pad_to_multiple_of,
         chunk_tokens=args.chunk_tokens, same_chunk_count=args.parallel == "fsdp2")
-    workers = loop.num_workers(args.num_workers, ctx.device)
     dataset = data.StepBatches(files, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed,
                                [functools.partial(collate, **f.prompts) for f in files],  # a file's own prompts
                                scores=args.distill_weight > 0)  # teacher scores ride with the batch
-    batches = loop.step_batches(dataset, start_step, args.max_steps, args.grad_accum_steps, workers, ctx.device)
-    loss_fn = functools.partial(infonce, n=args.n_passages, temperature=args.temperature,
-                                in_batch=args.in_batch_negatives, gather=gather,
-                                label_offset=ctx.rank * args.batch_size * args.n_passages if gather else 0,
-                                distill=(args.distill_weight, args.teacher_temperature),
-                                matryoshka=(*dims, settings["normalize"]), mask_duplicates=args.mask_duplicates)
+    batches = loop.step_batches(dataset, start_step, args.max_steps, args.grad_accum_steps, args.num_workers,
+                                ctx.device)
+    loss_fn = functools.partial(
+        biencoder_loss, n_passages=args.n_passages, temperature=args.temperature, in_batch=args.in_batch_negatives,
+        gather=gather, label_offset=ctx.rank * args.batch_size * args.n_passages if gather else 0,
+        contrastive=matryoshka(contrastive_loss, *dims, settings["normalize"]) if dims[0] else contrastive_loss,
+        mask_duplicates=args.mask_duplicates, distill_weight=args.distill_weight,
+        teacher_temperature=args.teacher_temperature)
     fwd_bwd = functools.partial(loop.grad_cache_step if args.grad_cache else loop.plain_step, loss_fn=loss_fn,
                                 accum=args.grad_accum_steps, autocast=(ctx.device.type, autocast_dtype))
-    val_score = functools.partial(score_groups, collate=collate, temperature=args.temperature, device=ctx.device,
-                                  autocast_dtype=autocast_dtype, mask_duplicates=args.mask_duplicates)
+    val_score = functools.partial(loop.biencoder_group_scores, collate=collate, temperature=args.temperature,
+                                  device=ctx.device, autocast_dtype=autocast_dtype,
+                                  mask_duplicates=args.mask_duplicates)
 
     # ----- logging -------------------------------------------------------------------------------
-    logger = log.start(args, ctx, args.output_dir, args.max_steps, start_step, args.log_every,
+    logger = log.start(vars(args), ctx, args.output_dir, args.max_steps, start_step, args.log_every,
                        ("loss", "loss_avg_window", "lr", "samples_per_s"), model_dir=model_dir,
                        storage_dtype=str(storage_dtype), settings=settings, gather_negatives=gather,
                        n_train=sum(len(f.records) for f in files), n_val=len(val_records),
                        train_files=args.train_mixture, steps_per_epoch=dataset.steps_per_epoch,
-                       num_workers=workers, flops_per_token=log.flops_per_token(encoder),
+                       num_workers=args.num_workers, flops_per_token=log.flops_per_token(encoder),
                        summary=f"world {ctx.world_size} on {ctx.device}; {data.describe_files(files)}, "
                                f"{len(val_records)} val; {args.batch_size * ctx.world_size * args.grad_accum_steps} "
                                f"queries x {args.n_passages} passages per step; {args.parallel}, storage "
@@ -246,4 +147,4 @@ def main():
 
 
 if __name__ == "__main__":
-    data.exit_on_data_error(main)
+    exit_on_data_error(main)

@@ -12,60 +12,23 @@ sentence-transformers' CrossEncoder as in the kit (retrieval_kit/export.py); set
 are named at start-up as kit-only.
 """
 
-import argparse
 import functools
 import os
 
 import torch
 
-from retrieval_kit import ckpt, data, dist, flags, log, loop, optim, precision
+from retrieval_kit import ckpt, cli, data, dist, log, loop, optim, precision, records
 from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, pair_layout, rerank_inputs
 from retrieval_kit.export import export_reranker, kit_only_reasons
-from retrieval_kit.losses import RERANK_LOSSES, add_distill_args, distill_kl, listwise_loss
-from retrieval_kit.metrics import WindowedAverage, top1
+from retrieval_kit.formats import exit_on_data_error
+from retrieval_kit.losses import RERANK_LOSSES, reranker_loss
+from retrieval_kit.metrics import WindowedAverage
 from retrieval_kit.models import (CrossEncoder, default_model_dir, fresh_head_params, is_decoder_only, load_once,
                                   load_reranker, load_tokenizer, make_bidirectional, setup_pad_token)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PROMPT_KEYS = ("prompt_template",)  # what a --train-mix line may set for its file
-
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = data.add_data_args(p, os.path.join(HERE, "data"), n_passages=4, batch_size=4, unit="pairs",
-                           prompt_keys=PROMPT_KEYS)
-    g.add_argument("--prompt-template", default="auto",
-                   help="how a pair becomes tokens: 'pair' = the tokenizer's own pair encoding ([CLS] q [SEP] p [SEP] "
-                        "with token type ids), or a template holding {query} and {passage}; auto = 'pair' for "
-                        f"encoders, {DEFAULT_TEMPLATE!r} for decoders (default auto)")
-    g.add_argument("--rerank-max-length", type=flags.positive_int, default=512,
-                   help="tokens per pair; the passage is truncated first, the query kept (default 512)")
-    g.add_argument("--append-eos", action="store_true", help="append the EOS token to each pair (decoders, last-token pooling)")
-    g.add_argument("--padding-side", choices=("auto", "left", "right"), default="auto",
-                   help="pad side for pairs (auto = the tokenizer's own)")
-
-    g = p.add_argument_group("model")
-    g.add_argument("--model", type=flags.model_path, default=None, help="HF model dir (default: the bundled all-MiniLM-L6-v2)")
-    g.add_argument("--pooling", choices=("native", "last", "avg", "cls"), default="native",
-                   help="native = the model's own classification head (BERT: pooler -> classifier; decoders: last "
-                        "non-pad token), what transformers and sentence-transformers run; last/avg/cls pool hidden "
-                        "states by the attention mask, then the linear head (kit-only; default native)")
-    g.add_argument("--bidirectional", action="store_true", help="drop a decoder's causal mask (attend both ways)")
-    g.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dir")
-
-    g = p.add_argument_group("loss")
-    g.add_argument("--loss", choices=tuple(RERANK_LOSSES), default="listwise",
-                   help="listwise = cross-entropy over each query's group, positive first; bce = pointwise binary "
-                        "cross-entropy, positive 1 / negatives 0 (default listwise)")
-    g.add_argument("--head-lr-mult", type=flags.positive_float, default=1.0,
-                   help="learning rate of the head (classifier, and BERT's pooler) = --lr x this (default 1)")
-    add_distill_args(g)
-    optim.add_optim_args(p, lr=2e-4, max_steps=60, warmup_steps=6)
-    precision.add_precision_args(p)
-    dist.add_dist_args(p)
-    loop.add_run_args(p, val_batch_size=16)
-    ckpt.add_ckpt_args(p, output_dir="runs/reranker")
-    return p.parse_args(argv)
+    return cli.parse(cli.reranker_parser(__doc__), argv)  # every flag: retrieval_kit/cli.py, docs/flags.md
 
 
 def tokenization_settings(args, tokenizer, template):
@@ -75,37 +38,32 @@ def tokenization_settings(args, tokenizer, template):
             "pad_to_multiple_of": args.pad_to_multiple_of}
 
 
+def resolve_template(template, config):
+    """--prompt-template (or a --train-mix line's "prompt_template"): 'auto' = 'pair' for encoders,
+    the default template for decoders."""
+    if template == "auto":
+        return DEFAULT_TEMPLATE if is_decoder_only(config) else PAIR
+    return template
+
+
 def file_layout(tokenizer, file, config, layout, append_eos):
     """The pair layout of one training file: the run's, or its --train-mix line's "prompt_template"
     ('pair', 'auto' or a template holding {query} and {passage})."""
     template = file.prompts.get("prompt_template")
     if template is None:
         return layout
-    if template == "auto":
-        template = DEFAULT_TEMPLATE if is_decoder_only(config) else PAIR
     try:
-        return pair_layout(tokenizer, template, append_eos)
+        return pair_layout(tokenizer, resolve_template(template, config), append_eos)
     except ValueError as e:
         raise SystemExit(f"--train-mix: {file.path}: {e}".replace("--prompt-template", '"prompt_template"')) from None
 
 
-def group_loss(out, n, loss, distill=(0.0, 1.0), teacher=None):
-    """loss_fn of a step: the reranker loss over query-major groups of n pairs, positive first, plus
-    distill[0] x the listwise KL term between a teacher's scores of each group (at temperature
-    distill[1]) and the logits; and each query's top-1 accuracy (ties count against the positive)."""
-    logits = out["pairs"]  # (B * n,)
-    value = loss(logits, n)
-    if teacher is not None and distill[0] > 0:
-        value = value + distill[0] * distill_kl(logits.view(-1, n), teacher, 1.0, distill[1])
-    return value, top1(logits.detach().view(-1, n), 0)
-
-
-def score_groups(model, queries, groups, collate, device, autocast_dtype):
-    """Validation: each query's own group -> ((b, n) logits, mean listwise loss)."""
-    inputs = loop.to_device(collate(queries, groups), device)
-    with precision.autocast(device.type, autocast_dtype):
-        logits = model(**inputs)["pairs"]  # (b * n,)
-    return logits.float().view(len(queries), -1), listwise_loss(logits, len(groups[0]))
+def warn_if_tokenization_changed(meta, settings):
+    """A resume that tokenizes pairs otherwise than the checkpoint's run: say so (rank 0)."""
+    saved = meta["loop"].get("tokenization", {})
+    changed = {k: (saved[k], v) for k, v in settings.items() if k in saved and saved[k] != v}
+    if changed:
+        dist.print0(f"warning: tokenization differs from the checkpoint's (saved, now): {changed}")
 
 
 def main():
@@ -113,12 +71,12 @@ def main():
 
     # ----- distributed, seeds ------------------------------------------------------------------
     ctx = dist.init(args.device, args.dist_backend, args.dist_timeout)
-    precision.device_defaults(args, ctx.device)  # what `auto` means here: compute dtype, TF32, chunking
+    cli.resolve_device_defaults(args, ctx.device)  # what `auto` means here: compute dtype, TF32, chunks, workers
     dist.seed_all(args.seed, ctx.rank, torch_per_rank=False)  # the same fresh head on every rank
 
     # ----- data: read and validate everything before any model is loaded -----------------------
-    files, val_records = data.read_train_val(args, ctx.world_size, PROMPT_KEYS)  # [TrainFile]: each its records
-    loop.check_step_flags(args.grad_cache, args.static_graph)
+    files, val_records, args.train_mixture = records.read_train_val(  # [TrainFile]: each its records
+        cli.data_spec(args, cli.RERANKER_PROMPT_KEYS), ctx.world_size)  # the mixture: kept with the args
 
     # ----- model in the storage dtype, how pairs become tokens; resume, part 1: weights -> cast ---
     storage_dtype, compute_dtype, autocast_dtype = precision.resolve(args.torch_dtype, args.force_fp32_params,
@@ -133,9 +91,7 @@ def main():
     setup_pad_token(tokenizer, net)
     if args.bidirectional:
         make_bidirectional(net)
-    template = args.prompt_template
-    if template == "auto":
-        template = DEFAULT_TEMPLATE if is_decoder_only(net.config) else PAIR
+    template = resolve_template(args.prompt_template, net.config)
     try:
         layout = pair_layout(tokenizer, template, args.append_eos)  # how every pair becomes ids, train and eval
     except ValueError as e:
@@ -145,15 +101,13 @@ def main():
         dist.print0(f"warning: kit-only reranker: {reason}; score the export with retrieval_kit, not "
                     "AutoModelForSequenceClassification or CrossEncoder")
     torch.manual_seed(args.seed + ctx.rank)  # from here on (dropout) each rank draws its own numbers
-    resume_dir = ckpt.start_run(args, ctx.world_size)  # one run per folder; a checkpoint that verifies
+    resume_dir = ckpt.start_run(**cli.resume_request(args), run_args=vars(args), neutral=cli.run_neutral())
     if resume_dir and source is not None:
         ckpt.restore_model(source, resume_dir, storage_dtype)
 
     # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------
-    model, eval_model = dist.wrap(
-        CrossEncoder(net, args.pooling), net, ctx, args.parallel, args.activation_checkpointing, args.compile,
-        precision.mp_policy(compute_dtype), args.reshard_after_forward, args.broadcast_buffers,
-        args.find_unused_parameters, args.static_graph, args.bucket_cap_mb, args.gradient_as_bucket_view, source)
+    model, eval_model = dist.wrap(CrossEncoder(net, args.pooling), net, ctx, mp_policy=precision.mp_policy(compute_dtype),
+                                  source=source, **cli.wrap_settings(args))
 
     # ----- optimizer, schedule; resume, part 2: optimizer -> scheduler -> loop state ------------
     groups = optim.scale_lr(optim.param_groups(net, args.weight_decay), fresh_head_params(net), args.lr, args.head_lr_mult)
@@ -164,33 +118,31 @@ def main():
     if resume_dir:
         meta = ckpt.load_training_state(resume_dir, optimizer, scheduler, ctx.rank, wrapped=model)
         state.load(meta)
-        saved = meta["loop"].get("tokenization", {})
-        changed = {k: (saved[k], v) for k, v in tok_settings.items() if k in saved and saved[k] != v}
-        if changed:
-            dist.print0(f"warning: tokenization differs from the checkpoint's (saved, now): {changed}")
+        warn_if_tokenization_changed(meta, tok_settings)
     start_step = state.step
 
     # ----- batches, built ahead; the step, decided once -----------------------------------------
     collate = functools.partial(rerank_inputs, tokenizer=tokenizer, layout=layout, max_length=args.rerank_max_length,
                                 pad_to_multiple_of=args.pad_to_multiple_of, chunk_tokens=args.chunk_tokens,
                                 same_chunk_count=args.parallel == "fsdp2")  # each chunk's forward is a collective
-    workers = loop.num_workers(args.num_workers, ctx.device)
     dataset = data.StepBatches(files, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed,
                                [functools.partial(collate, layout=layouts[f.name]) for f in files],  # its own template
                                scores=args.distill_weight > 0)  # teacher scores ride with the batch
-    batches = loop.step_batches(dataset, start_step, args.max_steps, args.grad_accum_steps, workers, ctx.device)
-    loss_fn = functools.partial(group_loss, n=args.n_passages, loss=RERANK_LOSSES[args.loss],
-                                distill=(args.distill_weight, args.teacher_temperature))
+    batches = loop.step_batches(dataset, start_step, args.max_steps, args.grad_accum_steps, args.num_workers,
+                                ctx.device)
+    loss_fn = functools.partial(reranker_loss, n_passages=args.n_passages, loss=RERANK_LOSSES[args.loss],
+                                distill_weight=args.distill_weight, teacher_temperature=args.teacher_temperature)
     fwd_bwd = functools.partial(loop.grad_cache_step if args.grad_cache else loop.plain_step, loss_fn=loss_fn,
                                 accum=args.grad_accum_steps, autocast=(ctx.device.type, autocast_dtype))
-    val_score = functools.partial(score_groups, collate=collate, device=ctx.device, autocast_dtype=autocast_dtype)
+    val_score = functools.partial(loop.reranker_group_scores, collate=collate, device=ctx.device,
+                                  autocast_dtype=autocast_dtype)
 
     # ----- logging -------------------------------------------------------------------------------
-    logger = log.start(args, ctx, args.output_dir, args.max_steps, start_step, args.log_every,
+    logger = log.start(vars(args), ctx, args.output_dir, args.max_steps, start_step, args.log_every,
                        ("loss", "loss_avg_window", "acc", "lr", "samples_per_s"), model_dir=model_dir,
                        storage_dtype=str(storage_dtype), tokenization=tok_settings,
                        n_train=sum(len(f.records) for f in files), train_files=args.train_mixture,
-                       n_val=len(val_records), steps_per_epoch=dataset.steps_per_epoch, num_workers=workers,
+                       n_val=len(val_records), steps_per_epoch=dataset.steps_per_epoch, num_workers=args.num_workers,
                        flops_per_token=log.flops_per_token(net),
                        summary=f"world {ctx.world_size} on {ctx.device}; {data.describe_files(files)}, "
                                f"{len(val_records)} val; {args.batch_size * ctx.world_size * args.grad_accum_steps} "
@@ -234,4 +186,4 @@ def main():
 
 
 if __name__ == "__main__":
-    data.exit_on_data_error(main)
+    exit_on_data_error(main)

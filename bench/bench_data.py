@@ -7,7 +7,7 @@ of P passages referenced by id (the issue's case: 1M x 8 over 1M).
 Synthetic text: passages of ~60 words (MS MARCO's passages average ~56), queries of ~6 words, drawn
 from a fixed vocabulary with a seeded RNG. Writes corpus.jsonl and train.jsonl (NeMo format, docs as
 ids) once under --dir, then in a fresh process per run: imports (the baseline RSS), reads the corpus
-and the training file as train_*.py does (formats.read_corpus, data.read_records with n_passages
+and the training file as train_*.py does (formats.read_corpus, records.read_records with n_passages
 9, then the corpus's id index dropped, keeping its texts), and reports seconds and RSS: the growth
 over the baseline is the data side, compared with the corpus text's size; the peak (VmHWM) is the
 high-water mark during the load. Median of --runs. The baseline, measured the same way: a dict of texts by id and records as Python
@@ -59,17 +59,18 @@ def one_run(out_dir, n_passages):
     import time
 
     sys.path.insert(0, ROOT)
-    from retrieval_kit import data, formats  # imports torch and numpy: the baseline RSS
+    from retrieval_kit import formats  # imports torch and numpy: the baseline RSS
+    from retrieval_kit.records import read_records
 
     base = rss_mb()
     t0 = time.perf_counter()
     corpus = formats.read_corpus(os.path.join(out_dir, "corpus.jsonl"))
     t_corpus = time.perf_counter() - t0
-    records, _ = data.read_records(os.path.join(out_dir, "train.jsonl"), n_passages, corpus)
+    records, _ = read_records(os.path.join(out_dir, "train.jsonl"), n_passages, corpus)
     seconds = time.perf_counter() - t0
     import gc
 
-    del corpus  # as in data.read_train_val: the records keep the corpus's texts, not its id index
+    del corpus  # as in records.read_train_val: the records keep the corpus's texts, not its id index
     gc.collect()
     print(json.dumps({"seconds": seconds, "corpus_seconds": t_corpus, "base_mb": base, "rss_mb": rss_mb(),
                       "peak_mb": peak_mb(), "held_mb": records.nbytes() / 2**20, "records": len(records)}))

@@ -28,6 +28,7 @@ from transformers import AutoTokenizer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from retrieval_kit import data, dist  # noqa: E402
+from retrieval_kit.records import read_records  # noqa: E402
 from retrieval_kit.collate import collate_biencoder  # noqa: E402
 from retrieval_kit.losses import contrastive_loss  # noqa: E402
 from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder  # noqa: E402
@@ -39,7 +40,7 @@ def bench_clip(reps):
     tok = AutoTokenizer.from_pretrained(model_dir)
     enc = load_encoder(model_dir).train()  # dropout on, as in training
     model = dist.wrap_ddp(BiEncoder(enc), ctx, gradient_as_bucket_view=True)
-    records, _ = data.read_records(os.path.join(ROOT, "data", "train.jsonl"), 2)
+    records, _ = read_records(os.path.join(ROOT, "data", "train.jsonl"), 2)
     q, p = collate_biencoder(tok, [r.query for r in records[:16]], [data.fixed_group(r, 2) for r in records[:16]], 32, 128)
     qr, pr = model(q, p)
     contrastive_loss(qr, pr, 2).backward()

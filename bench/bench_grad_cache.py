@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.bench_train_step import peak_rss_mb, reset_peak_rss  # noqa: E402
 from retrieval_kit import data, dist, loop, optim  # noqa: E402
+from retrieval_kit.records import read_records  # noqa: E402
 from retrieval_kit.chunking import chunk_batch  # noqa: E402
 from retrieval_kit.collate import DEFAULT_TEMPLATE, collate_biencoder, collate_rerank  # noqa: E402
 from retrieval_kit.losses import contrastive_loss, listwise_loss  # noqa: E402
@@ -38,7 +39,7 @@ def one_step(batch_size, grad_cache, chunk_tokens, max_length, train_file, reran
     wrapped = CrossEncoder(net, "avg") if reranker else BiEncoder(net, "avg", True)
     model = dist.wrap_ddp(wrapped, ctx)
     opt = optim.build_optimizer(optim.param_groups(net, 0.01), 1e-5)
-    records, _ = data.read_records(train_file, 2)
+    records, _ = read_records(train_file, 2)
     if len(records) < batch_size:
         raise SystemExit(f"{train_file} has {len(records)} groups, fewer than batch {batch_size}")
     recs = records[:batch_size]

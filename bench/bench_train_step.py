@@ -43,10 +43,11 @@ import functools  # noqa: E402
 
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
+from retrieval_kit.losses import biencoder_loss  # noqa: E402
 from retrieval_kit import data, dist, loop, optim  # noqa: E402
+from retrieval_kit.records import read_records  # noqa: E402
 from retrieval_kit.collate import biencoder_inputs  # noqa: E402
 from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder  # noqa: E402
-from train_biencoder import infonce  # noqa: E402
 
 
 class HostReads(TorchFunctionMode):
@@ -63,7 +64,7 @@ class HostReads(TorchFunctionMode):
 
 
 def batches(args):
-    records, _ = data.read_records(args.train_file, args.n_passages)
+    records, _ = read_records(args.train_file, args.n_passages)
     order = data.epoch_order(len(records), 0, 0)
     out = []
     for s in range(args.warmup + args.steps):
@@ -81,7 +82,8 @@ def make_kit(model_dir, args, ctx):
     opt = optim.build_optimizer(optim.param_groups(enc, 0.01), 1e-5)
     sched = optim.build_scheduler(opt, 0, 1000)
     state = loop.LoopState()
-    loss_fn = functools.partial(infonce, n=args.n_passages, temperature=0.05, in_batch=True, gather=True, label_offset=0)
+    loss_fn = functools.partial(biencoder_loss, n_passages=args.n_passages, temperature=0.05, in_batch=True,
+                                gather=True, label_offset=0)
     fwd_bwd = loop.grad_cache_step if args.grad_cache else loop.plain_step
 
     def step(inputs):
@@ -103,7 +105,7 @@ def kit_collate(tok, args):
 def pipeline(model_dir, tok, args, ctx, workers):
     """train_biencoder.py's batches and step for `workers`: (median share of the step waiting for
     its batch, host reads per step, median step s)."""
-    records, _ = data.read_records(args.train_file, args.n_passages)
+    records, _ = read_records(args.train_file, args.n_passages)
     dataset = data.StepBatches(records, args.n_passages, args.batch_size, 0, 1, 0, kit_collate(tok, args))
     batches = loop.step_batches(dataset, 0, args.warmup + args.steps, 1, workers, ctx.device)
     step = make_kit(model_dir, args, ctx)

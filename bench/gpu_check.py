@@ -69,7 +69,7 @@ def train_rows(run_dir):
 def part_versions(tmp):
     import transformers
 
-    from retrieval_kit import log, precision
+    from retrieval_kit import cli, log
 
     info = log.device_info(DEVICE)
     say(f"  torch {torch.__version__}, transformers {transformers.__version__}, CUDA {torch.version.cuda}, "
@@ -77,8 +77,8 @@ def part_versions(tmp):
     say("  accelerator:", json.dumps(info))
 
     class Auto:
-        compute_dtype, tf32, chunk_tokens = "auto", None, None
-    a = precision.device_defaults(Auto(), DEVICE)
+        compute_dtype, tf32, chunk_tokens, num_workers = "auto", None, None, None
+    a = cli.resolve_device_defaults(Auto(), DEVICE)
     say(f"  auto: --compute-dtype {a.compute_dtype}, --tf32 {a.tf32}, --chunk-tokens {a.chunk_tokens}")
     return {"accelerator": info, "auto": {"compute_dtype": a.compute_dtype, "tf32": a.tf32,
                                           "chunk_tokens": a.chunk_tokens}}
@@ -120,10 +120,11 @@ def kit_batches(n, batch_size=32, n_passages=2, chunk_tokens=0, seed=0):
 
     from retrieval_kit import data
     from retrieval_kit.collate import biencoder_inputs
+    from retrieval_kit.records import read_records
     from retrieval_kit.models import default_model_dir
 
     tok = AutoTokenizer.from_pretrained(default_model_dir())
-    records, _ = data.read_records(os.path.join(ROOT, "data", "train.jsonl"), n_passages)
+    records, _ = read_records(os.path.join(ROOT, "data", "train.jsonl"), n_passages)
     collate = functools.partial(biencoder_inputs, tokenizer=tok, query_max_length=32, passage_max_length=256,
                                 pad_to_multiple_of=8, chunk_tokens=chunk_tokens)
     dataset = data.StepBatches(records, n_passages, batch_size, 0, 1, seed, collate)

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from retrieval_kit import ckpt  # noqa: E402
-from retrieval_kit.encode import score_groups  # noqa: E402
+from retrieval_kit.encode import rerank_groups  # noqa: E402
 from retrieval_kit.evaluate import biencoder_settings, fuse_scores, load_beir, reorder, retrieve  # noqa: E402
 from retrieval_kit.export import load_exported_reranker, rerank_layout  # noqa: E402
 from retrieval_kit.metrics import rank_docs, retrieval_metrics  # noqa: E402
@@ -71,7 +71,7 @@ def main():
             scored = {}
             for qid in sorted(run):
                 head = rank_docs(run[qid])[:kmax]
-                sc = score_groups(model, rtok, [queries[qid]], [[text_of[x] for x in head]], settings, layout=layout)[0]
+                sc = rerank_groups(model, rtok, [queries[qid]], [[text_of[x] for x in head]], settings, layout=layout)[0]
                 scored[qid] = (head, sc)
             for k in args.top_k:
                 for w in args.weights:

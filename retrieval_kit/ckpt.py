@@ -26,19 +26,11 @@ import warnings
 
 import numpy as np
 import torch
-import torch.distributed as dist
+import torch.distributed as tdist
 from safetensors.torch import load_model, save_file
 
 from . import flags
-from .dist import is_fsdp, unwrap
-
-def _barrier():
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _rank():
-    return dist.get_rank() if dist.is_initialized() else 0
+from .dist import barrier, is_fsdp, rank, unwrap, world_size
 
 
 def rng_state():
@@ -85,7 +77,7 @@ def full_state_dict(module, all_ranks=False):
     memory); other ranks get None unless `all_ranks` (then every rank gathers everything).
     """
     sharded = any(hasattr(p, "full_tensor") for p in unwrap(module).parameters())
-    if not sharded and not all_ranks and _rank() != 0:
+    if not sharded and not all_ranks and rank() != 0:
         return None
     if sharded and not all_ranks:
         # each shard gathered and offloaded to rank 0's host memory one tensor at a time: the other
@@ -93,7 +85,7 @@ def full_state_dict(module, all_ranks=False):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(unwrap(module), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if _rank() != 0:
+        if rank() != 0:
             return None
     else:
         state = unwrap(module).state_dict()
@@ -138,12 +130,12 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args
 def _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args, wrapped, keep_last, dcp_model):
     name = f"step_{step:06d}"
     final, tmp = os.path.join(run_dir, name), os.path.join(run_dir, f".tmp_{name}")
-    rank = _rank()
-    if rank == 0:
+    me = rank()
+    if me == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    _barrier()
-    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    barrier()
+    torch.save(rng_state(), os.path.join(tmp, f"rng_rank{me}.pt"))
     weights = None if dcp_model else full_state_dict(model)  # collective under FSDP2
     if _sharded(wrapped):  # every rank writes its own shards; DCP reshards on load, for any rank count
         import torch.distributed.checkpoint as dcp
@@ -153,18 +145,17 @@ def _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, arg
                  checkpoint_id=os.path.join(tmp, "optimizer_dcp"))
         if dcp_model:  # the wrapped module's keys, which load_model_dcp asks for
             dcp.save({"model": get_model_state_dict(wrapped)}, checkpoint_id=os.path.join(tmp, "model_dcp"))
-    if rank == 0:
+    if me == 0:
         if weights is not None:
             save_file(weights, os.path.join(tmp, "model.safetensors"))
         if not _sharded(wrapped):
             torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
         torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-    _barrier()
-    if rank == 0:
+    barrier()
+    if me == 0:
         import transformers
 
-        meta = {"step": step, "loop": loop_state, "args": args, "world_size": dist.get_world_size()
-                if dist.is_initialized() else 1, "torch": torch.__version__,
+        meta = {"step": step, "loop": loop_state, "args": args, "world_size": world_size(), "torch": torch.__version__,
                 "optimizer_format": "dcp" if _sharded(wrapped) else "torch",
                 "model_format": "dcp" if dcp_model else "safetensors",
                 "transformers": transformers.__version__, "complete": True, "files": file_sums(tmp)}
@@ -177,7 +168,7 @@ def _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, arg
             f.write(name + "\n")
         os.replace(os.path.join(run_dir, "latest.tmp"), os.path.join(run_dir, "latest"))
         prune(run_dir, keep_last)
-    _barrier()
+    barrier()
     return final
 
 
@@ -248,7 +239,7 @@ def find_latest(run_dir):
         problem = verify(os.path.join(run_dir, d))
         if problem is None:
             return os.path.join(run_dir, d)
-        if _rank() == 0:
+        if rank() == 0:
             print(f"warning: skipping checkpoint {os.path.join(run_dir, d)}: {problem}", flush=True)
     return None
 
@@ -266,24 +257,16 @@ def resolve_resume(resume, run_dir):
     return resume
 
 
-# args that do not change what a run computes (logging, validation, checkpoint cadence, workers,
-# and the DDP/FSDP2 knobs that change how, not what, is computed): a resume may change them freely
-RUN_NEUTRAL = {"output_dir", "resume", "overwrite_output_dir", "allow_changed_args", "log_every", "loss_avg_window",
-               "val_every", "val_batch_size", "val_max_groups", "val_file", "val_n_passages", "ckpt_every",
-               "keep_last", "num_workers", "eval_beir", "eval_k", "max_bad_steps", "static_graph", "bucket_cap_mb",
-               "gradient_as_bucket_view", "broadcast_buffers", "find_unused_parameters", "reshard_after_forward",
-               "activation_checkpointing", "dist_backend", "dist_timeout", "sharded_checkpoints"}
-
-
 # args a script sets from what it read, not flags: how a changed one is named
 DERIVED = {"train_mixture": "the training files (name, path, records, weight, batches per round, prompts)"}
 
 
-def changed_args(saved, now, saved_world, world):
-    """["--flag: saved -> now", ...] for what defines the run: every arg but RUN_NEUTRAL, with the
-    batch counted over all ranks (`--batch-size` x ranks: the in-batch negatives; 1 rank x 8 is 2
-    ranks x 4) and `--max-steps` only where the LR schedule decays to it."""
-    skip = set(RUN_NEUTRAL) | {"batch_size"}
+def changed_args(saved, now, saved_world, world, neutral=frozenset()):
+    """["--flag: saved -> now", ...] for what defines the run: every arg but the `neutral` ones
+    (cli.run_neutral: the flags marked neutral where they are declared), with the batch counted
+    over all ranks (`--batch-size` x ranks: the in-batch negatives; 1 rank x 8 is 2 ranks x 4) and
+    `--max-steps` only where the LR schedule decays to it."""
+    skip = set(neutral) | {"batch_size"}
     if saved.get("lr_schedule") == now.get("lr_schedule") == "constant":
         skip.add("max_steps")
     if isinstance(saved.get("train_file"), str):  # one path, as checkpoints before repeatable --train-file
@@ -305,9 +288,8 @@ def _used(run_dir):
                   or d in ("final", "latest", "metrics.jsonl"))
 
 
-def _decide(args, world_size):
+def _decide(run_dir, resume, overwrite, allow_changed, run_args, neutral, world):
     """Rank 0's decision for start_run: (resume dir or None, error message or None)."""
-    run_dir = args.output_dir
     try:
         os.makedirs(run_dir, exist_ok=True)
         probe = os.path.join(run_dir, ".write_test")
@@ -317,10 +299,10 @@ def _decide(args, world_size):
     except OSError as e:
         return None, f"--output-dir {run_dir}: cannot write there ({flags.os_reason(e)})"
     used = _used(run_dir)
-    if args.resume in (None, "", "none"):
+    if resume in (None, "", "none"):
         if not used:
             return None, None
-        if not getattr(args, "overwrite_output_dir", False):
+        if not overwrite:
             shown = ", ".join(used[:4]) + (", ..." if len(used) > 4 else "")
             return None, (f"--output-dir {run_dir} already holds a run ({shown}): continue it with --resume auto, "
                           "or start over with --overwrite-output-dir (deletes it)")
@@ -333,14 +315,14 @@ def _decide(args, world_size):
         print(f"--overwrite-output-dir: cleared {run_dir}", flush=True)
         return None, None
     try:
-        resume_dir = resolve_resume(args.resume, run_dir)
+        resume_dir = resolve_resume(resume, run_dir)
     except SystemExit as e:
         return None, str(e)
     if resume_dir is None:
         return None, None
     meta = load_meta(resume_dir)
-    diffs = changed_args(meta.get("args") or {}, vars(args), meta.get("world_size", 1), world_size)
-    if diffs and not getattr(args, "allow_changed_args", False):
+    diffs = changed_args(meta.get("args") or {}, run_args, meta.get("world_size", 1), world, neutral)
+    if diffs and not allow_changed:
         return None, (f"--resume: {resume_dir} was trained with other settings; what would change:\n  " +
                       "\n  ".join(diffs) + "\nrun with the checkpoint's values, or pass --allow-changed-args to "
                       "continue with today's")
@@ -349,18 +331,20 @@ def _decide(args, world_size):
     return resume_dir, None
 
 
-def start_run(args, world_size):
+def start_run(run_dir, resume, run_args, neutral=frozenset(), overwrite=False, allow_changed=False):
     """Before anything is loaded: decide, once on rank 0 and shared with every rank, where this run
-    starts. A folder that already holds a run is refused without --resume (or cleared with
-    --overwrite-output-dir); --resume auto takes the newest checkpoint that verifies, and a resume
-    whose run-defining args differ from the checkpoint's stops with the list (or goes on with
+    starts. A folder that already holds a run is refused without `resume` (or cleared with
+    `overwrite`, --overwrite-output-dir); resume "auto" takes the newest checkpoint that verifies,
+    and a resume whose run-defining args (`run_args`, a dict; all but the `neutral` names) differ
+    from the checkpoint's stops with the list (or goes on with `allow_changed`,
     --allow-changed-args). Returns the checkpoint folder or None; a refusal exits with its message."""
-    decision = [_decide(args, world_size) if _rank() == 0 else None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(decision, src=0)
+    decision = [_decide(run_dir, resume, overwrite, allow_changed, run_args, neutral, world_size())
+                if rank() == 0 else None]
+    if world_size() > 1:
+        tdist.broadcast_object_list(decision, src=0)
     resume_dir, error = decision[0]
     if error:
-        raise SystemExit(error if _rank() == 0 else 1)
+        raise SystemExit(error if rank() == 0 else 1)
     return resume_dir
 
 
@@ -466,30 +450,9 @@ class StopSignal:
         return self.name is not None
 
 
-def add_ckpt_args(parser, output_dir):
-    """Checkpoint and resume flags (both scripts)."""
-    g = parser.add_argument_group("checkpoints")
-    g.add_argument("--output-dir", default=output_dir, help=f"run folder: logs, checkpoints, final model (default {output_dir})")
-    g.add_argument("--ckpt-every", type=flags.positive_int, default=100, help="checkpoint every N steps, and at the end (default 100)")
-    g.add_argument("--keep-last", type=flags.nonneg_int, default=3, help="keep the newest K complete checkpoints (0 = all; default 3)")
-    g.add_argument("--resume", default="none",
-                   help="none | auto (the newest checkpoint in --output-dir that verifies, or start fresh) | PATH to a "
-                        "step_* folder")
-    g.add_argument("--overwrite-output-dir", action="store_true",
-                   help="start over in an --output-dir that already holds a run: delete its checkpoints, final/ and logs")
-    g.add_argument("--sharded-checkpoints", action="store_true",
-                   help="FSDP2: every rank writes its own model shards (DCP, model_dcp/) at each checkpoint, instead "
-                        "of rank 0 gathering the full model into one model.safetensors; the export stays one "
-                        "safetensors dir. Resumes on any rank count with --parallel fsdp2")
-    g.add_argument("--allow-changed-args", action="store_true",
-                   help="resume although run-defining flags (data, model, batch, lr, schedule, seed, lengths, "
-                        "precision...) differ from the checkpoint's; each difference is printed")
-    return g
-
-
 def prune(run_dir, keep_last):
     """Delete all but the newest `keep_last` complete checkpoints (rank 0; 0 keeps all)."""
-    if keep_last <= 0 or _rank() != 0:
+    if keep_last <= 0 or rank() != 0:
         return
     done = sorted(d for d in os.listdir(run_dir) if d.startswith("step_") and is_complete(os.path.join(run_dir, d)))
     for d in done[:-keep_last]:

@@ -141,7 +141,7 @@ def pair_layout(tokenizer, template=PAIR, append_eos=False):
     return PairLayout(segments, with_types, eos)
 
 
-def _tokenize_bare(tokenizer, texts, max_length):
+def tokenize_bare(tokenizer, texts, max_length):
     """Ids without special tokens, cut at max_length (so no over-length warning for long passages)."""
     return tokenizer(list(texts), add_special_tokens=False, truncation=True, max_length=max_length)["input_ids"]
 
@@ -149,7 +149,7 @@ def _tokenize_bare(tokenizer, texts, max_length):
 def encode_pair(tokenizer, query, passage, template=PAIR, max_length=512, append_eos=False, layout=None):
     """Token ids of one (query, passage) pair, at most `max_length` long (PairLayout.encode)."""
     layout = layout or pair_layout(tokenizer, template, append_eos)
-    q, p = _tokenize_bare(tokenizer, [query, passage], max_length)
+    q, p = tokenize_bare(tokenizer, [query, passage], max_length)
     return layout.encode(q, p, max_length)[0]
 
 
@@ -162,8 +162,8 @@ def collate_rerank(tokenizer, queries, groups, template=PAIR, max_length=512,
     are not returned: the loss derives them from the batch shape (n_queries = n_pairs // n_passages).
     """
     layout = layout or pair_layout(tokenizer, template, append_eos)
-    q_ids = _tokenize_bare(tokenizer, queries, max_length)
-    p_ids = _tokenize_bare(tokenizer, [p for g in groups for p in g], max_length)
+    q_ids = tokenize_bare(tokenizer, queries, max_length)
+    p_ids = tokenize_bare(tokenizer, [p for g in groups for p in g], max_length)
     rows, k = [], 0
     for q, g in zip(q_ids, groups):
         for _ in g:

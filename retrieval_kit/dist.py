@@ -4,7 +4,6 @@
 in-memory store), so every code path - DDP wrapping, reductions, gathers - is the same in both.
 """
 
-import argparse
 import atexit
 import contextlib
 import functools
@@ -20,7 +19,6 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import flags
 
 
 @dataclass
@@ -148,12 +146,24 @@ def release_at_exit():
     gc.collect()
 
 
+# The one set of rank helpers: a process without a process group is rank 0 of a world of 1.
+
 def world_size():
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def is_main():
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return rank() == 0
+
+
+def barrier():
+    """Wait for every rank (nothing to wait for in a world of 1)."""
+    if world_size() > 1:
+        dist.barrier()
 
 
 def print0(*args, **kwargs):
@@ -177,24 +187,23 @@ def all_reduce_sum(values):
 def reduce_mean(values):
     """Mean over ranks of a dict of floats (one collective for the whole dict)."""
     keys = list(values)
-    world = dist.get_world_size() if dist.is_initialized() else 1
     sums = all_reduce_sum([values[k] for k in keys])
-    return {k: s / world for k, s in zip(keys, sums)}
+    return {k: s / world_size() for k, s in zip(keys, sums)}
 
 
 def reduce_mean_tensor(t):
     """Mean over ranks of a device tensor, with no host read (the result stays on the device)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        t = t / dist.get_world_size()
+        t = t / world_size()
     return t
 
 
 def gather(t):
     """Concatenate `t` from all ranks in rank order, without a graph (ids, keys, masks)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size() == 1:
         return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    parts = [torch.empty_like(t) for _ in range(world_size())]
     dist.all_gather(parts, t.contiguous())
     return torch.cat(parts, dim=0)
 
@@ -207,41 +216,9 @@ def gather_with_grad(t):
     queries gives the gradient of the mean over all W*B queries: the same as one process with
     the global batch.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size() == 1:
         return t
     return torch.cat(torch.distributed.nn.functional.all_gather(t), dim=0)
-
-
-def add_dist_args(parser):
-    """Every DDP and FSDP2 knob, plus activation checkpointing and compile (same flags in both scripts)."""
-    g = parser.add_argument_group("distributed")
-    g.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                   help="auto: CUDA when visible (GPU = LOCAL_RANK %% visible GPUs), else CPU (default auto)")
-    g.add_argument("--dist-backend", choices=("auto", "nccl", "gloo"), default="auto",
-                   help="process-group backend (default auto: nccl on CUDA, gloo on CPU)")
-    g.add_argument("--dist-timeout", type=flags.positive_float, default=30.0,
-                   help="minutes a collective or barrier waits before the run fails, e.g. ranks waiting while "
-                        "rank 0 writes a large checkpoint (default 30)")
-    g.add_argument("--parallel", choices=("ddp", "fsdp2"), default="ddp",
-                   help="ddp: replicate params, all-reduce grads; fsdp2: shard params, grads and optimizer "
-                        "state with fully_shard on each transformer layer, then the root (default ddp)")
-    g.add_argument("--broadcast-buffers", action=argparse.BooleanOptionalAction, default=True,
-                   help="DDP: sync buffers from rank 0 at each forward (maps to forward_sync_buffers on torch "
-                        ">= 2.13, where broadcast_buffers is deprecated; default on)")
-    g.add_argument("--find-unused-parameters", action="store_true",
-                   help="DDP: find params that got no grad each step (costs a graph traversal per step)")
-    g.add_argument("--static-graph", action="store_true",
-                   help="DDP: the graph is the same every step; DDP skips re-discovery and overlaps more")
-    g.add_argument("--bucket-cap-mb", type=flags.positive_float, default=25.0, help="DDP: gradient bucket size in MB (default 25)")
-    g.add_argument("--gradient-as-bucket-view", action="store_true",
-                   help="DDP: grads are views into the all-reduce buckets (saves a copy; enables bucket clipping)")
-    g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
-                   help="FSDP2: free gathered params after forward and re-gather for backward (default on; "
-                        "off trades memory for one all-gather less per layer)")
-    g.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each layer's activations in backward instead of storing them")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model before wrapping")
-    return g
 
 
 def enable_activation_checkpointing(model):
@@ -271,7 +248,7 @@ def wrap_ddp(model, ctx, broadcast_buffers=True, find_unused_parameters=False, s
                gradient_as_bucket_view=gradient_as_bucket_view, **buffers)
 
 
-def wrap(module, hf_model, ctx, parallel="ddp", activation_checkpointing=False, compile=False, mp_policy=None,
+def wrap(module, hf_model, ctx, *, parallel="ddp", activation_checkpointing=False, compile=False, mp_policy=None,
          reshard_after_forward=True, broadcast_buffers=True, find_unused_parameters=False, static_graph=False,
          bucket_cap_mb=25.0, gradient_as_bucket_view=False, source=None):
     """The wrap order of both scripts: activation checkpointing -> compile (each transformer layer

@@ -41,7 +41,7 @@ def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
 
 
 @torch.no_grad()
-def score_groups(model, tokenizer, queries, groups, settings, batch_size=16, device="cpu", layout=None):
+def rerank_groups(model, tokenizer, queries, groups, settings, batch_size=16, device="cpu", layout=None):
     """Cross-encoder scores (Q, n) for each query against its own group of n passages.
 
     `model` is a CrossEncoder; `settings` holds the tokenization saved with the export or checkpoint
@@ -69,12 +69,10 @@ def encode_shard(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
     """This rank's contiguous shard of `texts` (data.shard) embedded: ((n_own, H) float32 on CPU,
     index of its first text in `texts`). Every rank runs the same number of batches (a short shard
     repeats a text, dropped after), as FSDP2's collective forwards need."""
-    import torch.distributed as tdist
-
     from .data import shard
+    from .dist import rank as get_rank, world_size
 
-    world = tdist.get_world_size() if tdist.is_initialized() else 1
-    rank = tdist.get_rank() if tdist.is_initialized() else 0
+    world, rank = world_size(), get_rank()
     per = -(-len(texts) // world)
     own = shard(texts, rank, world)
     padded = own + [texts[-1]] * (per - len(own)) if texts else []
@@ -89,8 +87,9 @@ def encode_sharded(model, tokenizer, texts, max_length, prefix="", batch_size=64
     import torch.distributed as tdist
 
     from .data import shard
+    from .dist import world_size
 
-    world = tdist.get_world_size() if tdist.is_initialized() else 1
+    world = world_size()
     if world == 1:
         return encode_texts(model, tokenizer, texts, max_length, prefix, batch_size, pooling, normalize, device,
                             progress, desc)

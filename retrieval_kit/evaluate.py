@@ -19,27 +19,15 @@ import os
 
 import torch
 
-from . import dist, flags
+from . import cli, dist, flags
 from .data import shard
 from .formats import read_corpus, read_qrels, read_queries
-from .encode import encode_shard, encode_sharded, score_groups
-from .export import load_exported_reranker, load_settings
+from .encode import encode_shard, encode_sharded, rerank_groups
+from .export import load_exported_reranker
 from .metrics import rank_docs, retrieval_metrics
 from .models import default_model_dir, load_encoder, load_tokenizer
 from .search import sharded_topk
-from .st_format import resolve_biencoder_settings
-
-
-def add_biencoder_setting_args(ap):
-    """Flags that override what the model dir declares (retrieval_kit.json of an export, else its
-    sentence-transformers files, else avg / normalized / no prefixes / 32 and 128 tokens)."""
-    ap.add_argument("--pooling", choices=("avg", "cls", "last"), default=None, help="override the model dir's pooling")
-    ap.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
-                    help="override the model dir's normalization")
-    ap.add_argument("--query-prefix", default=None, help="override the model dir's query prefix (prompt)")
-    ap.add_argument("--passage-prefix", default=None, help="override the model dir's passage prefix (prompt)")
-    ap.add_argument("--query-max-length", type=flags.positive_int, default=None, help="override the model dir's query max length")
-    ap.add_argument("--passage-max-length", type=flags.positive_int, default=None, help="override the model dir's passage max length")
+from .st_format import load_settings, resolve_biencoder_settings
 
 
 def _beir_file(path):
@@ -127,25 +115,26 @@ def rerank(run, model, tokenizer, settings, beir, top_k=10, batch_size=16, devic
     """Second stage: rescore each query's top_k with a cross-encoder (fused with the bi-encoder's
     scores when weight < 1, fuse_scores); the rest keep their order below. Queries are split over
     ranks and the runs gathered."""
-    import torch.distributed as tdist
     from tqdm import tqdm
 
+    from .dist import rank as get_rank, world_size
     from .export import rerank_layout
 
     ids, texts, queries, _ = beir
     text_of = dict(zip(ids, texts))
-    world = tdist.get_world_size() if tdist.is_initialized() else 1
-    rank = tdist.get_rank() if tdist.is_initialized() else 0
+    world, rank = world_size(), get_rank()
     layout = rerank_layout(tokenizer, settings)
     mine = {}
     for qid in tqdm(shard(sorted(run), rank, world), desc="rerank", unit="query", disable=not progress):
         ranked = rank_docs(run[qid])
         head = ranked[:top_k]
-        s = score_groups(model, tokenizer, [queries[qid]], [[text_of[d] for d in head]], settings, batch_size, device,
+        s = rerank_groups(model, tokenizer, [queries[qid]], [[text_of[d] for d in head]], settings, batch_size, device,
                          layout)[0]
         mine[qid] = reorder(ranked, fuse_scores(s, torch.tensor([run[qid][d] for d in head]), weight))
     if world == 1:
         return mine
+    import torch.distributed as tdist
+
     parts = [None] * world
     tdist.all_gather_object(parts, mine)
     return {q: r for part in parts for q, r in part.items()}
@@ -158,7 +147,7 @@ def main(argv=None):
     ap.add_argument("--split", default="test", help="qrels file name under qrels/ (default test)")
     ap.add_argument("--k", type=flags.positive_int, default=100, help="docs retrieved per query (default 100)")
     ap.add_argument("--batch-size", type=flags.positive_int, default=64, help="texts per encoding batch")
-    add_biencoder_setting_args(ap)
+    cli.add_biencoder_setting_args(ap)
     ap.add_argument("--truncate-dims", type=flags.listed(flags.positive_int), default=None,
                     help="also retrieve with the first d dimensions of the embeddings, for each d listed, e.g. "
                          "256,128,64 (re-normalized when the model normalizes; default: the dims an export trained "
@@ -167,7 +156,7 @@ def main(argv=None):
     ap.add_argument("--rerank-top-k", type=flags.positive_int, default=10, help="docs per query the reranker rescores (default 10)")
     ap.add_argument("--rerank-weight", type=flags.fraction, default=0.5,
                     help="order the top k by w * z(reranker) + (1 - w) * z(bi-encoder), each standardised over the "
-                         "query's top k; 1 = the reranker alone (default 0.5, measured: README)")
+                         "query's top k; 1 = the reranker alone (default 0.5, measured: docs/pipeline.md)")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dirs")
     ap.add_argument("--output", default=None, help="write the metrics as JSON here")
     args = ap.parse_args(argv)
@@ -210,6 +199,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from retrieval_kit.data import exit_on_data_error
+    from retrieval_kit.formats import exit_on_data_error
 
     exit_on_data_error(main)

@@ -24,12 +24,12 @@ import shutil
 
 import torch
 
-from .ckpt import _barrier, _rank, full_state_dict
-from .dist import unwrap
+from .ckpt import full_state_dict
+from .collate import PAIR, tokenize_bare, pair_layout, pair_post_processor
+from .dist import barrier, rank, unwrap
 from .flags import os_reason
-from .collate import PAIR, _tokenize_bare, pair_layout, pair_post_processor
+from .st_format import SETTINGS_FILE, load_settings, write_st_files
 
-SETTINGS_FILE = "retrieval_kit.json"
 IDENTITY = "torch.nn.modules.linear.Identity"  # sentence-transformers' activation_fn path for raw logits
 PROBES = [("how do i list files", "ls lists directory contents " * 200), ("q", "p"),
           ("a fast compressor for data", "zstd is a fast lossless compression algorithm")]
@@ -55,11 +55,10 @@ def export_model_(out_dir, model, tokenizer, settings, publish=True):
     Written into `out_dir.partial` and renamed to `out_dir` when complete (publish=False leaves it
     there for the caller to finish and publish), so a kill never leaves a model dir that looks
     complete but is not."""
-    from .st_format import write_st_files
 
     weights = full_state_dict(model)  # collective under FSDP2
     stage = staging(out_dir)
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(stage, ignore_errors=True)
         os.makedirs(stage)
         unwrap(model).save_pretrained(stage, state_dict=weights, safe_serialization=True)
@@ -73,7 +72,7 @@ def export_model_(out_dir, model, tokenizer, settings, publish=True):
             json.dump(settings, f, indent=2)
     if publish:
         publish_dir(out_dir)
-    _barrier()
+    barrier()
     return out_dir
 
 
@@ -83,18 +82,9 @@ def staging(out_dir):
 
 def publish_dir(out_dir):
     """Rank 0: replace out_dir by its finished staging dir."""
-    if _rank() == 0:
+    if rank() == 0:
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(staging(out_dir), out_dir)
-
-
-def load_settings(model_dir):
-    """The retrieval_kit settings saved beside an exported model ({} for a plain HF dir)."""
-    path = os.path.join(model_dir, SETTINGS_FILE)
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
 
 
 def kit_only_reasons(pooling, bidirectional):
@@ -122,7 +112,7 @@ def _tokenizer_matches(out_dir, tokenizer, layout, max_length, trust_remote_code
 
     stock = AutoTokenizer.from_pretrained(out_dir, trust_remote_code=trust_remote_code)
     for q, p in PROBES:
-        q_ids, p_ids = _tokenize_bare(tokenizer, [q, p], max_length)
+        q_ids, p_ids = tokenize_bare(tokenizer, [q, p], max_length)
         ids, types = layout.encode(q_ids, p_ids, max_length)
         enc = stock(q, p, truncation=True)
         if enc["input_ids"] != ids or (layout.with_types and enc.get("token_type_ids") != types):
@@ -142,7 +132,7 @@ def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False):
                     kit_only=reasons)
     export_model(out_dir, net, tokenizer, settings, publish=False)  # collective under FSDP2
     final, out_dir = out_dir, staging(out_dir)  # finished in the staging dir, then published
-    if _rank() == 0:
+    if rank() == 0:
         layout = pair_layout(tokenizer, template, settings["append_eos"])
         _edit_json(os.path.join(out_dir, "config.json"),
                    lambda c: c.setdefault("sentence_transformers", {}).update(activation_fn=IDENTITY))
@@ -167,7 +157,7 @@ def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False):
         with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
             json.dump(settings, f, indent=2)
     publish_dir(final)
-    _barrier()
+    barrier()
     return settings
 
 

@@ -1,7 +1,7 @@
 """Reading users' files: lines of plain or gzipped UTF-8, the field's training formats, BEIR folders,
 and the validators every entry point shares.
 
-Training formats, told per file by the first record's fields (data.read_records says which):
+Training formats, told per file by the first record's fields (records.read_records says which):
     NeMo inline            {"query"|"question", "pos_doc", "neg_doc"}; a doc is a string or {"id", "text"}
     FlagEmbedding          {"query", "pos", "neg", "pos_scores"?, "neg_scores"?, "prompt"?}
     sentence-transformers  {"anchor"|"query", "positive", "negative" | "negative_1".."negative_n"}
@@ -22,6 +22,17 @@ import unicodedata
 
 class DataError(ValueError):
     """Raised with one `file:line: problem` per bad line."""
+
+
+def exit_on_data_error(main):
+    """Run an entry point's main(): a DataError (a user's bad or missing file) ends the run with its
+    message (printed once, by rank 0 under torchrun) and exit status 1, not a traceback."""
+    from .dist import is_main
+
+    try:
+        return main()
+    except DataError as e:
+        raise SystemExit(str(e) if is_main() else 1) from None
 
 
 def format_problems(problems, limit=50):

@@ -21,12 +21,12 @@ def git_hash(path=None):
         return None
 
 
-def run_header(args, world_size, device):
-    """What a log needs to reproduce its run: argv, args, git hash, versions, world size, device."""
+def run_header(run_args, world_size, device):
+    """What a log needs to reproduce its run: argv, args (a dict), git hash, versions, world size, device."""
     import transformers
 
     return {
-        "argv": sys.argv, "args": vars(args) if args is not None else None, "git": git_hash(),
+        "argv": sys.argv, "args": run_args, "git": git_hash(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
         "python": platform.python_version(), "torch": torch.__version__,
         "transformers": transformers.__version__, "world_size": world_size, "device": str(device),
@@ -70,9 +70,10 @@ def mfu(tokens_per_s, flops_per_token, peak_tflops, world_size):
     return tokens_per_s * flops_per_token / (peak_tflops * 1e12 * world_size)
 
 
-def start(args, ctx, output_dir, max_steps, start_step, log_every, bar_keys, summary, **header):
-    """run_header.json (plus `header`) and a Logger at `start_step`, on rank 0; prints `summary`."""
-    full = run_header(args, ctx.world_size, ctx.device)
+def start(run_args, ctx, output_dir, max_steps, start_step, log_every, bar_keys, summary, **header):
+    """run_header.json (`run_args`, a dict, plus `header`) and a Logger at `start_step`, on rank 0;
+    prints `summary`."""
+    full = run_header(run_args, ctx.world_size, ctx.device)
     full.update(header)
     full["accelerator"] = device_info(ctx.device)
     logger = Logger(output_dir, full, max_steps, start_step, enabled=ctx.is_main, bar_keys=bar_keys, log_every=log_every)

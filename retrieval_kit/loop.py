@@ -21,28 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import data, dist, flags, optim, precision
+from . import data, dist, optim, precision
 from .chunking import Chunked
 from .gradcache import grad_cache
+from .losses import contrastive_loss, contrastive_scores, duplicate_mask, listwise_loss
 from .metrics import WindowedAverage, group_metric_sums
-
-
-def add_run_args(parser, val_batch_size):
-    g = parser.add_argument_group("run")
-    g.add_argument("--log-every", type=flags.positive_int, default=1, help="log train scalars every N steps")
-    g.add_argument("--loss-avg-window", type=flags.positive_int, default=50, help="window of the smoothed loss")
-    g.add_argument("--val-every", type=flags.positive_int, default=30, help="validate every N steps (and at step 0 and the end)")
-    g.add_argument("--val-batch-size", type=flags.positive_int, default=val_batch_size, help="queries per validation batch")
-    g.add_argument("--num-workers", type=flags.nonneg_int, default=None,
-                   help="DataLoader worker processes that sample, tokenize, pad and plan the chunks of each "
-                        "micro-batch ahead of the model (0 = in the training process; default: 0 on CPU, "
-                        "where workers take cores from the model, 2 on CUDA)")
-    return g
-
-
-def num_workers(flag, device):
-    """--num-workers, or its default for the device (README, Benchmark)."""
-    return flag if flag is not None else (2 if device.type == "cuda" else 0)
 
 
 # ----- batches -----------------------------------------------------------------------------------
@@ -198,12 +181,6 @@ def ckpt_due(step, start_step, every, last_step, stopping):
     return step > start_step and (step % every == 0 or last_step or stopping)
 
 
-def check_step_flags(grad_cache, static_graph):
-    if grad_cache and static_graph:
-        raise SystemExit("--grad-cache runs several forward/backward passes per step, which DDP's --static-graph "
-                         "does not allow; drop one of them")
-
-
 # ----- validation on fixed groups ----------------------------------------------------------------
 
 @torch.no_grad()
@@ -223,6 +200,31 @@ def validate_groups(model, records, n_passages, batch_size, ctx, score):
     loss_sum, acc_sum, rr_sum, count = dist.all_reduce_sum([loss_sum, acc_sum, rr_sum, count])
     model.train()
     return {"loss": loss_sum / count, "acc@1": acc_sum / count, "mrr": rr_sum / count}
+
+
+def biencoder_group_scores(model, queries, groups, *, collate, temperature, device, autocast_dtype=None,
+                           mask_duplicates=True):
+    """validate_groups' `score` for a bi-encoder: each query against its own group only -> ((b, n)
+    similarity scores, mean InfoNCE); with `mask_duplicates`, a copy of the positive among its
+    group's negatives scores -inf (as in training: out of the softmax, no tie against the positive)."""
+    n = len(groups[0])
+    inputs, targets = split_batch(to_device(collate(queries, groups), device))  # model inputs | p_keys
+    with precision.autocast(device.type, autocast_dtype):
+        out = model(**inputs)
+    mask = duplicate_mask(targets["p_keys"], n, in_batch=False) if mask_duplicates else None
+    scores = contrastive_scores(out["q"].float(), out["p"].float(), n, in_batch=False)
+    if mask is not None:
+        scores = scores.masked_fill(mask, float("-inf"))
+    return scores, contrastive_loss(out["q"], out["p"], n, temperature, in_batch=False, mask=mask)
+
+
+def reranker_group_scores(model, queries, groups, *, collate, device, autocast_dtype=None):
+    """validate_groups' `score` for a reranker: each query's own group -> ((b, n) logits, mean
+    listwise loss)."""
+    inputs = to_device(collate(queries, groups), device)
+    with precision.autocast(device.type, autocast_dtype):
+        logits = model(**inputs)["pairs"]  # (b * n,)
+    return logits.float().view(len(queries), -1), listwise_loss(logits, len(groups[0]))
 
 
 def end_run(logger, message):

@@ -1,5 +1,6 @@
-"""Losses: contrastive InfoNCE for bi-encoders; listwise CE and pointwise BCE for rerankers; the
-KL distillation term for either, from teacher scores.
+"""Losses: contrastive InfoNCE for bi-encoders (Matryoshka as a wrapper around it); listwise CE and
+pointwise BCE for rerankers; the KL distillation term for either, from teacher scores; and each
+script's step loss composed from them (biencoder_loss, reranker_loss), by keyword.
 
 Layout: q is (B, H); p is (B * n_passages, H) query-major, so the positive of query i is row
 i * n_passages and rows i * n_passages + 1 .. are its hard negatives. With in-batch negatives
@@ -12,6 +13,9 @@ When p holds passages gathered from all ranks, this rank's queries start at glob
 
 import torch
 import torch.nn.functional as F
+
+from . import dist
+from .metrics import top1
 
 
 def contrastive_scores(q, p, n_passages, in_batch=True):
@@ -105,31 +109,29 @@ def distill_kl(student, teacher, temperature, teacher_temperature):
     return (kl * scored).sum() / scored.sum().clamp(min=1)
 
 
-def add_distill_args(group):
-    """The distillation flags both scripts share (in their loss group)."""
-    from . import flags
+def matryoshka(loss, dims, weights, normalize=True):
+    """Matryoshka representation learning (Kusupati et al., 2022) as a wrapper around any loss of
+    (q, p, ...) embeddings: the weighted sum over `dims` of `loss` on the first d dimensions of
+    every embedding, re-normalized when the model normalizes (a unit vector's prefix is not one).
+    Other arguments pass through to `loss` unchanged."""
 
-    group.add_argument("--distill-weight", type=flags.nonneg_float, default=0.0,
-                       help="add this x KL(teacher || student) over each query's group to the loss, from the teacher "
-                            "scores in the training data (pos_scores / neg_scores: python -m retrieval_kit.score "
-                            "writes them); 0 = off (default)")
-    group.add_argument("--teacher-temperature", type=flags.positive_float, default=1.0,
-                       help="softmax temperature of the teacher scores (default 1: reranker logits; a bi-encoder "
-                            "teacher's cosines want about its training temperature, e.g. 0.05)")
+    def loss_over_prefixes(q, p, *args, **kwargs):
+        total = 0.0
+        for d, w in zip(dims, weights):
+            qd, pd = q[:, :d], p[:, :d]
+            if normalize:
+                qd, pd = F.normalize(qd.float(), dim=-1), F.normalize(pd.float(), dim=-1)
+            total = total + w * loss(qd, pd, *args, **kwargs)
+        return total
+
+    return loss_over_prefixes
 
 
 def matryoshka_loss(q, p, n_passages, dims, weights, normalize, temperature=0.05, in_batch=True, label_offset=0,
                     mask=None):
-    """Matryoshka representation learning (Kusupati et al., 2022): the weighted sum over `dims` of
-    contrastive_loss on the first d dimensions of every embedding, re-normalized when the model
-    normalizes (a unit vector's prefix is not one). q, p and the layout as contrastive_loss."""
-    total = 0.0
-    for d, w in zip(dims, weights):
-        qd, pd = q[:, :d], p[:, :d]
-        if normalize:
-            qd, pd = F.normalize(qd.float(), dim=-1), F.normalize(pd.float(), dim=-1)
-        total = total + w * contrastive_loss(qd, pd, n_passages, temperature, in_batch, label_offset, mask)
-    return total
+    """contrastive_loss summed over Matryoshka prefixes (matryoshka(contrastive_loss, ...))."""
+    return matryoshka(contrastive_loss, dims, weights, normalize)(q, p, n_passages, temperature, in_batch,
+                                                                  label_offset, mask)
 
 
 def matryoshka_plan(dims, weights, hidden_size):
@@ -147,3 +149,47 @@ def matryoshka_plan(dims, weights, hidden_size):
     if len(weights) != len(dims):
         raise SystemExit(f"--matryoshka-weights has {len(weights)} values for {len(dims)} --matryoshka-dims")
     return dims, weights
+
+
+# ----- the loss_fn of a training step: (model outputs, **targets) -> (loss, top-1 accuracy, counts) ---
+
+def biencoder_loss(out, *, n_passages, temperature=0.05, in_batch=True, gather=False, label_offset=0,
+                   contrastive=contrastive_loss, mask_duplicates=True, distill_weight=0.0, teacher_temperature=1.0,
+                   teacher=None, p_keys=None):
+    """The bi-encoder's step loss: `contrastive` (InfoNCE, or matryoshka(contrastive_loss, ...)) of
+    this rank's queries against its passages - every rank's with `gather` (then pass
+    `label_offset` = rank * B * n_passages) - each query's own positive left out of its negatives
+    wherever its text appears again (`mask_duplicates`, from the batch's `p_keys`); plus
+    distill_weight x KL(teacher || model) over each query's own group (in-batch negatives have no
+    teacher score), the teacher at `teacher_temperature`, the model at `temperature`.
+    Returns (loss, each query's top-1 accuracy (ties count against the positive),
+    {"duplicates_masked": candidates left out})."""
+    q, p = out["q"], out["p"]
+    p_all = dist.gather_with_grad(p) if gather else p  # (W*B*n, H); grads flow back to each rank
+    mask = None
+    if mask_duplicates and p_keys is not None:
+        mask = duplicate_mask(p_keys, n_passages, in_batch, label_offset,
+                              dist.gather(p_keys) if gather and in_batch else None)
+    loss = contrastive(q, p_all, n_passages, temperature, in_batch, label_offset, mask)
+    if teacher is not None and distill_weight > 0:
+        own = contrastive_scores(q, p, n_passages, in_batch=False)  # (B, n)
+        loss = loss + distill_weight * distill_kl(own, teacher, temperature, teacher_temperature)
+    with torch.no_grad():
+        scores = contrastive_scores(q, p_all, n_passages, in_batch)
+        if mask is not None:
+            scores = scores.masked_fill(mask, float("-inf"))
+        target = label_offset + torch.arange(len(q), device=scores.device) * n_passages if in_batch else 0
+        masked = mask.sum() if mask is not None else torch.zeros((), device=scores.device)
+        return loss, top1(scores, target), {"duplicates_masked": masked}
+
+
+def reranker_loss(out, *, n_passages, loss=listwise_loss, distill_weight=0.0, teacher_temperature=1.0, teacher=None):
+    """The reranker's step loss: `loss` (listwise_loss or pointwise_bce_loss) over query-major
+    groups of n_passages pairs, positive first, plus distill_weight x the listwise
+    KL(teacher || logits) of each group, the teacher at `teacher_temperature`. Returns (loss, each
+    query's top-1 accuracy (ties count against the positive))."""
+    logits = out["pairs"]  # (B * n,)
+    value = loss(logits, n_passages)
+    if teacher is not None and distill_weight > 0:
+        value = value + distill_weight * distill_kl(logits.view(-1, n_passages), teacher, 1.0, teacher_temperature)
+    return value, top1(logits.detach().view(-1, n_passages), 0)

@@ -53,9 +53,10 @@ def main(argv=None):
     import os
 
     from . import dist, flags
-    from .data import read_records
+    from .records import read_records
     from .encode import encode_sharded
-    from .evaluate import add_biencoder_setting_args, biencoder_settings
+    from . import cli
+    from .evaluate import biencoder_settings
     from .formats import read_corpus
     from .models import default_model_dir, load_encoder, load_tokenizer
 
@@ -71,7 +72,7 @@ def main(argv=None):
                          "<= 0 turns the filter off)")
     ap.add_argument("--depth", type=flags.positive_int, default=200, help="candidates considered per query (default 200)")
     ap.add_argument("--batch-size", type=flags.positive_int, default=64, help="texts per encoding batch")
-    add_biencoder_setting_args(ap)
+    cli.add_biencoder_setting_args(ap)
     args = ap.parse_args(argv)
     flags.check_writable_file("--out", args.out)  # before any encoding
 
@@ -110,6 +111,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from retrieval_kit.data import exit_on_data_error
+    from retrieval_kit.formats import exit_on_data_error
 
     exit_on_data_error(main)

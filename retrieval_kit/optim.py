@@ -4,7 +4,6 @@ import math
 
 import torch
 
-from . import flags
 
 
 def _is_norm(module):
@@ -94,24 +93,3 @@ def lr_factor(step, warmup_steps, total_steps, schedule="linear"):
 def build_scheduler(optimizer, warmup_steps, total_steps, schedule="linear"):
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, warmup_steps, total_steps, schedule))
-
-
-def add_optim_args(parser, lr, max_steps, warmup_steps):
-    """The optimization flags both scripts share (defaults differ per script)."""
-    g = parser.add_argument_group("optimization")
-    g.add_argument("--max-steps", type=flags.positive_int, default=max_steps, help=f"optimizer steps (default {max_steps})")
-    g.add_argument("--grad-accum-steps", type=flags.positive_int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--lr", type=flags.positive_float, default=lr, help=f"peak learning rate (default {lr})")
-    g.add_argument("--lr-schedule", choices=("linear", "cosine", "constant"), default="linear",
-                   help="decay after warmup (default linear, to 0 at --max-steps)")
-    g.add_argument("--warmup-steps", type=flags.nonneg_int, default=warmup_steps, help=f"linear warmup steps (default {warmup_steps})")
-    g.add_argument("--weight-decay", type=flags.nonneg_float, default=0.01, help="AdamW weight decay, not on biases and norms (default 0.01)")
-    g.add_argument("--adam-beta1", type=flags.beta, default=0.9, help="AdamW beta1 (default 0.9)")
-    g.add_argument("--adam-beta2", type=flags.beta, default=0.999, help="AdamW beta2 (default 0.999)")
-    g.add_argument("--adam-eps", type=flags.positive_float, default=1e-8, help="AdamW eps (default 1e-8)")
-    g.add_argument("--max-grad-norm", type=flags.nonneg_float, default=1.0, help="clip the global grad norm (0 = off; default 1.0)")
-    g.add_argument("--max-bad-steps", type=flags.positive_int, default=5,
-                   help="a step whose loss or grad norm is not finite is skipped on every rank; stop after "
-                        "this many in a row (default 5)")
-    g.add_argument("--seed", type=int, default=42, help="data order, negative sampling and init (default 42)")
-    return g

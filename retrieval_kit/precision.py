@@ -10,7 +10,6 @@ The contract:
   cast to the storage dtype *before* the optimizer state is loaded.
 """
 
-import argparse
 import contextlib
 
 import torch
@@ -102,47 +101,7 @@ def cuda_bf16():
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
-def device_defaults(args, device):
-    """Fill in, for this run's device, the flags left at their `auto` default, in `args` (so the
-    run header and the checkpoint's args hold what ran), and set the fp32 matmul precision:
-    - --compute-dtype auto: bf16 on a CUDA device that has it (fp32 master weights stay), else none;
-    - --tf32 (default on CUDA): fp32 matmuls and convolutions in TF32 on CUDA; CPU never changes;
-    - --chunk-tokens auto: 1024 on CPU (measured, README), 8192 on CUDA (not yet measured: the GPU
-      check script times 0 / 1024 / 8192)."""
-    from .data import CHUNK_TOKENS
-
-    cuda = device.type == "cuda"
-    if args.compute_dtype == "auto":
-        args.compute_dtype = "bf16" if cuda and cuda_bf16() else "none"
-    if args.tf32 is None:
-        args.tf32 = cuda
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
-    elif args.tf32:
-        raise SystemExit("--tf32 is for CUDA devices; this run is on the CPU")
-    if args.chunk_tokens is None:
-        args.chunk_tokens = CHUNK_TOKENS_CUDA if cuda else CHUNK_TOKENS
-    return args
-
-
-CHUNK_TOKENS_CUDA = 8192
-
-
-def add_precision_args(parser):
-    """The precision (and attention kernel) flags both scripts share."""
-    g = parser.add_argument_group("precision")
-    g.add_argument("--torch-dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
-                   help="storage dtype of params and AdamW state (auto = fp32 master weights)")
-    g.add_argument("--force-fp32-params", action="store_true",
-                   help="params and AdamW moments fp32, whatever the load or checkpoint dtype")
-    g.add_argument("--compute-dtype", "--autocast-dtype", dest="compute_dtype",
-                   choices=("auto", "none", "bf16", "fp16"), default="auto",
-                   help="compute dtype: torch.autocast under DDP, the MixedPrecisionPolicy param dtype under "
-                        "FSDP2 (gradients reduced in fp32); none = compute in the storage dtype; default auto = "
-                        "bf16 on CUDA devices with bf16, none on CPU (bf16 matmuls there are 10-26x slower)")
-    g.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
-                   help="CUDA: fp32 matmuls in TF32 (default on CUDA; CPU: off)")
-    g.add_argument("--attn-implementation", choices=("auto", "eager", "sdpa", "flash_attention_2", "flex_attention"),
-                   default="auto", help="the model's attention kernel (transformers' attn_implementation; default "
-                                        "auto = transformers' choice, sdpa where the model has it)")
-    return g
+def set_tf32(enabled, device):
+    """fp32 matmuls and convolutions in TF32 on a CUDA device (--tf32); the CPU has no such mode."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(enabled)

@@ -43,7 +43,8 @@ class Scorer:
     """score(queries, passages) -> a float per (query, passage) pair, for either kind of export."""
 
     def __init__(self, model_dir, device, batch_size, trust_remote_code=False):
-        from .export import load_exported_reranker, load_settings
+        from .export import load_exported_reranker
+        from .st_format import load_settings
 
         self.settings = load_settings(model_dir)
         self.kind = self.settings.get("kind")
@@ -65,9 +66,9 @@ class Scorer:
     @torch.no_grad()
     def score(self, queries, passages):
         if self.kind == "reranker":
-            from .encode import score_groups
+            from .encode import rerank_groups
 
-            return score_groups(self.model, self.tokenizer, queries, [[p] for p in passages], self.settings,
+            return rerank_groups(self.model, self.tokenizer, queries, [[p] for p in passages], self.settings,
                                 self.batch_size, self.device)[:, 0].tolist()
         from .encode import encode_texts
 
@@ -112,19 +113,12 @@ def check_parts(parts, manifest):
     os.replace(path + ".tmp", path)
 
 
-def _barrier():
-    import torch.distributed as tdist
-
-    if tdist.is_initialized() and tdist.get_world_size() > 1:
-        tdist.barrier()
-
-
 def block_path(parts, b):
     return os.path.join(parts, f"block_{b:06d}.jsonl")
 
 
 def main(argv=None):
-    from .data import read_records
+    from .records import read_records
     from .formats import read_corpus
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,7 +148,7 @@ def main(argv=None):
                 "block_size": args.block_size}
     if ctx.is_main:
         check_parts(parts, manifest)
-    _barrier()
+    dist.barrier()
     n_blocks = -(-len(records) // args.block_size)
     mine = [b for b in range(ctx.rank, n_blocks, ctx.world_size) if not os.path.isfile(block_path(parts, b))]
     for b in tqdm(mine, desc=f"score ({scorer.kind})", unit="block", disable=not ctx.is_main):
@@ -163,7 +157,7 @@ def main(argv=None):
         with open(block_path(parts, b) + ".tmp", "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(block_path(parts, b) + ".tmp", block_path(parts, b))
-    _barrier()
+    dist.barrier()
     if ctx.is_main:
         with open(args.out + ".partial", "w", encoding="utf-8") as out:
             for b in range(n_blocks):
@@ -176,6 +170,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from .data import exit_on_data_error
+    from .formats import exit_on_data_error
 
     exit_on_data_error(main)

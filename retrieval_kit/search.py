@@ -42,7 +42,9 @@ def sharded_topk(q_emb, p_shard, offset, k, n_total, device="cpu"):
         s = torch.empty((q.shape[0], 0), device=device)
         i = torch.empty((q.shape[0], 0), dtype=torch.long, device=device)
     i = i + offset
-    world = tdist.get_world_size() if tdist.is_initialized() else 1
+    from .dist import world_size
+
+    world = world_size()
     if world == 1:
         return s.cpu(), i.cpu()
     pad = k - s.shape[1]  # a shard smaller than k: -inf candidates that never win

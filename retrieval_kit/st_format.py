@@ -16,6 +16,7 @@ then the sentence-transformers files, then the kit's defaults (`resolve_biencode
 import json
 import os
 
+SETTINGS_FILE = "retrieval_kit.json"  # the kit's own settings, beside an exported model
 KIT_DEFAULTS = {"pooling": "avg", "normalize": True, "query_prefix": "", "passage_prefix": "",
                 "query_max_length": 32, "passage_max_length": 128}
 SETTING_KEYS = tuple(KIT_DEFAULTS)
@@ -81,12 +82,19 @@ def read_st_settings(model_dir):
     return out
 
 
+def load_settings(model_dir):
+    """The retrieval_kit settings saved beside an exported model ({} for a plain HF dir)."""
+    path = os.path.join(model_dir, SETTINGS_FILE)
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def resolve_biencoder_settings(model_dir, flags):
     """(settings, message): each of SETTING_KEYS from the explicit flag (not None), else the kit's
     retrieval_kit.json, else the dir's sentence-transformers files, else KIT_DEFAULTS. `message`
     says what was read from the sentence-transformers files (None when nothing was)."""
-    from .export import load_settings
-
     kit, st = load_settings(model_dir), read_st_settings(model_dir)
     out, from_st = {}, {}
     for k in SETTING_KEYS:

@@ -126,9 +126,9 @@ class Records:
         self.neg_ends, self.neg_ids = array("q"), array("i")
         self.pos_scores = self.neg_scores = None  # array("f") once a record has scores
         self.prompts, self.prompt_ids, self._prompt_index = [], None, {}
-        self.fill = None  # "random": draw missing negatives from the first `pool` passages (data.read_records)
+        self.fill = None  # "random": draw missing negatives from the first `pool` passages (records.read_records)
         self.pool = 0
-        self.summary = ""  # what was read, in a line (data.read_records)
+        self.summary = ""  # what was read, in a line (records.read_records)
 
     def add(self, line, query, pos_ids, neg_ids, pos_scores=None, neg_scores=None, prompt=None):
         n = len(self.lines)

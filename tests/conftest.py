@@ -65,11 +65,10 @@ def small_train_file(tmp_path_factory):
     return str(out)
 
 
-def run_script(script, args, nproc=1, timeout=600):
-    """Run a training script as a user would: `python script` or `torchrun --nproc_per_node=N script`."""
-    import subprocess
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
+def run_script(script, args, nproc=1, timeout=600, env=None):
+    """Run a training script as a user would: `python script` or `torchrun --nproc_per_node=N script`
+    (`env`: extra environment variables)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT, **(env or {}))
     path = os.path.join(ROOT, script)
     if nproc == 1:
         cmd = [sys.executable, path]
@@ -180,3 +179,13 @@ def run_module(args, nproc=1):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     return out
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say which comparison the golden runs made on this machine (bitwise or within a tolerance)."""
+    ran = [r for key in ("passed", "failed") for r in terminalreporter.stats.get(key, [])
+           if "test_golden.py::test_golden_run" in getattr(r, "nodeid", "")]
+    if ran:
+        from tests.golden import describe, fingerprint, load_recordings
+
+        terminalreporter.write_line(describe(load_recordings(), fingerprint()))

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transformers import AutoTokenizer  # noqa: E402
 
 from retrieval_kit import ckpt, data, dist, loop, optim, precision  # noqa: E402
+from retrieval_kit.records import read_records  # noqa: E402
 from retrieval_kit.chunking import chunk_batch  # noqa: E402
 from retrieval_kit.collate import collate_biencoder, collate_rerank  # noqa: E402
 from retrieval_kit.losses import contrastive_loss, listwise_loss  # noqa: E402
@@ -146,7 +147,7 @@ def main():
     ctx = dist.init()
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    records, _ = data.read_records(train_file, N)
+    records, _ = read_records(train_file, N)
     steps = batches(tok, records, 3, ctx.world_size)
     enc0 = load_encoder(model_dir).eval()  # eval: no dropout, so ranks and reference compute the same
     results = {}
@@ -259,7 +260,7 @@ def main():
 
     # ----- duplicate masking with gathered negatives: 2 ranks mask what one process masks ---------
     from retrieval_kit.collate import biencoder_inputs
-    from train_biencoder import infonce
+    from retrieval_kit.losses import biencoder_loss
     queries, groups = steps[0]
     groups = [list(g) for g in groups]
     groups[B][1] = groups[0][0]  # rank 1's first negative is rank 0's first positive
@@ -270,7 +271,8 @@ def main():
         batch = biencoder_inputs(qs, gs, **collate)
         with torch.no_grad():
             out = BiEncoder(enc0)(q=batch["q"], p=batch["p"])
-        loss, _, counts = infonce(out, N, TEMP, True, gather, offset, p_keys=batch["p_keys"])
+        loss, _, counts = biencoder_loss(out, n_passages=N, temperature=TEMP, gather=gather, label_offset=offset,
+                                         p_keys=batch["p_keys"])
         return loss.item(), counts["duplicates_masked"].item()
     ref_loss, ref_count = masked(queries, groups, False, 0)
     mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
@@ -302,7 +304,7 @@ def main():
         loaded_bytes = sum(p.numel() * p.element_size() for m in (net, source) if m is not None
                            for p in m.parameters() if not p.is_meta)
         module = BiEncoder(net) if kind == "biencoder" else CrossEncoder(net, "avg")
-        dist.wrap(module, net, ctx, "fsdp2", source=source)
+        dist.wrap(module, net, ctx, parallel="fsdp2", source=source)
         full = ckpt.full_state_dict(net, all_ranks=True)
         ref = source.state_dict() if source is not None else None
         diffs = [None]

@@ -7,15 +7,20 @@ compares bitwise, so a refactor of the step cannot change a number without a tes
     python -m tests.golden --check             # rerun and compare, without pytest
     python -m tests.golden --check --extra --num-workers 2
 
-Bitwise equality holds for the same torch build on the same CPU kernels (torch's CPU capability,
-e.g. AVX512); on another one the floats may differ in their last bits, so the comparison there
-falls back to a tolerance and says so.
+Bitwise equality holds only where the whole numeric fingerprint matches: the torch build and its
+MKL / oneDNN versions, torch's CPU capability (ATEN_CPU_CAPABILITY changes it), the CPU model and
+its instruction-set flags (two CPUs that both report AVX512 pick different MKL and oneDNN kernels
+when one has AMX), and the thread count of the runs. golden.json holds one recording per
+fingerprint it was recorded on; a machine that matches none is compared within TOLERANCE against
+every recording, and the test says which comparison it made. `--record` adds (or replaces) this
+machine's recording and keeps the others.
 """
 
 import argparse
 import hashlib
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -49,8 +54,70 @@ MODES = {  # name -> (processes, extra flags); "sigkill_resume" is killed after 
 CONFIGS = [f"{kind}/{mode}" for kind in SCRIPT_ARGS for mode in MODES]
 
 
-def fingerprint():
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+TOLERANCE = 1e-4  # relative (absolute below 1): what two kernel sets' rounding moves 4 steps of a tiny model
+RUN_THREADS = "1"  # OMP_NUM_THREADS of every golden run (tests/conftest.run_script)
+
+
+def _cpu():
+    """The CPU model and a digest of its instruction-set flags (Linux /proc/cpuinfo; else platform)."""
+    import platform
+
+    model, cpu_flags = platform.processor() or platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "model name":
+                    model = value
+                elif key == "flags" and not cpu_flags:
+                    cpu_flags = " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return model, hashlib.sha256(cpu_flags.encode()).hexdigest()[:16]
+
+
+def _libraries():
+    """MKL and oneDNN versions of this torch build (from torch.__config__.show())."""
+    shown = torch.__config__.show()
+    mkl = re.search(r"Math Kernel Library Version ([^\n]+)", shown)
+    dnn = re.search(r"MKL-DNN (v[\d.]+)", shown)
+    return (mkl.group(1).strip() if mkl else "none"), (dnn.group(1) if dnn else "none")
+
+
+def fingerprint(env=None):
+    """Whatever decides which CPU kernels (and so which float rounding) a golden run gets. `env`:
+    the environment the runs get (ATEN_CPU_CAPABILITY in it changes the kernels)."""
+    env = os.environ if env is None else env
+    capability = env.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
+    model, cpu_flags = _cpu()
+    mkl, onednn = _libraries()
+    return {"torch": torch.__version__, "cpu_capability": capability.upper(), "cpu": model, "cpu_flags": cpu_flags,
+            "mkl": mkl, "onednn": onednn, "threads": RUN_THREADS}
+
+
+def load_recordings(path=None):
+    """[{"fingerprint", "runs"}] from golden.json."""
+    with open(path or GOLDEN_FILE) as f:
+        data = json.load(f)
+    return data["recordings"]
+
+
+def comparison(recordings, fp):
+    """(recordings to compare against, bitwise?): the one recorded on this fingerprint, bitwise; else
+    every recording, within TOLERANCE."""
+    same = [r for r in recordings if r["fingerprint"] == fp]
+    return (same[:1], True) if same else (recordings, False)
+
+
+def describe(recordings, fp):
+    """One line: which comparison the golden runs make here, and why."""
+    _, bitwise = comparison(recordings, fp)
+    if bitwise:
+        return f"golden runs compared bitwise: recorded on this fingerprint ({fp['cpu']}, {fp['cpu_capability']})"
+    return (f"golden runs compared within {TOLERANCE:g} (relative), weights hash not compared: this fingerprint "
+            f"({fp['cpu']}, {fp['cpu_capability']}, MKL {fp['mkl']}, oneDNN {fp['onednn']}) matches none of the "
+            f"{len(recordings)} recording(s)")
 
 
 def weights_hash(path):
@@ -79,8 +146,19 @@ def summarize(run_dir):
     return {"train": train, "val": val, "weights": weights_hash(os.path.join(run_dir, "final", "model.safetensors"))}
 
 
-def run_config(name, model_dir, train_file, out_dir, extra=()):
-    """Run one golden config into out_dir (fresh) and return its summary."""
+def check(recordings, fp, got, name):
+    """Problems of one fresh run against the recordings this fingerprint compares with."""
+    against, bitwise = comparison(recordings, fp)
+    problems = []
+    for r in against:
+        problems += [(f"[recorded on {r['fingerprint']['cpu']}] " if not bitwise else "") + p
+                     for p in compare(r["runs"][name], got, bitwise)]
+    return problems
+
+
+def run_config(name, model_dir, train_file, out_dir, extra=(), env=None):
+    """Run one golden config into out_dir (fresh) and return its summary; `env`: extra environment
+    variables for the run (e.g. ATEN_CPU_CAPABILITY)."""
     from tests.conftest import run_script
     from tests.test_ckpt import kill_after_checkpoint, launch
 
@@ -90,11 +168,11 @@ def run_config(name, model_dir, train_file, out_dir, extra=()):
     args = ["--model", model_dir, "--train-file", train_file, "--output-dir", out_dir, *COMMON, *kind_args,
             *mode_args, *extra]
     if mode == "sigkill_resume":
-        proc = launch(script, args + ["--max-steps", 100000], nproc)  # constant LR: the same path as --max-steps 4
+        proc = launch(script, args + ["--max-steps", 100000], nproc, env)  # constant LR: the same path as --max-steps 4
         rc, _, _ = kill_after_checkpoint(proc, os.path.join(out_dir, "step_000002"), signal.SIGKILL)
         assert rc == -signal.SIGKILL, rc
         args += ["--resume", "auto"]
-    run_script(script, args, nproc)
+    run_script(script, args, nproc, env=env)
     return summarize(out_dir)
 
 
@@ -108,7 +186,7 @@ def compare(want, got, bitwise=True):
         for step, row in want[split].items():
             for k, v in row.items():
                 g = got[split][step][k]
-                same = v == g if bitwise else abs(v - g) <= 1e-4 * max(1.0, abs(v))
+                same = v == g if bitwise else abs(v - g) <= TOLERANCE * max(1.0, abs(v))
                 if not same:
                     problems.append(f"{split} step {step} {k}: recorded {v!r}, now {g!r}")
     if bitwise and want["weights"] != got["weights"]:
@@ -145,16 +223,21 @@ def main():
         model_dir, train_file = make_inputs(tmp)
         got = {name: run_config(name, model_dir, train_file, os.path.join(tmp, name.replace("/", "_")), a.extra)
                for name in a.configs}
+    fp = fingerprint()
     if a.record:
-        os.makedirs(os.path.dirname(GOLDEN_FILE), exist_ok=True)
+        old = load_recordings() if os.path.exists(GOLDEN_FILE) else []
+        mine = next((r for r in old if r["fingerprint"] == fp), None)
+        runs = {**(mine["runs"] if mine else {}), **got}
+        if set(runs) != set(CONFIGS):
+            sys.exit(f"--record: a new fingerprint needs every config; missing {sorted(set(CONFIGS) - set(runs))}")
+        recordings = [r for r in old if r is not mine] + [{"fingerprint": fp, "runs": runs}]
         with open(GOLDEN_FILE, "w") as f:
-            json.dump({"fingerprint": fingerprint(), "runs": got}, f, indent=1)
-        print(f"wrote {GOLDEN_FILE}: {len(got)} runs")
+            json.dump({"recordings": recordings}, f, indent=1)
+        print(f"wrote {GOLDEN_FILE}: {len(got)} runs recorded on {fp}; {len(recordings)} recording(s)")
     if a.check:
-        with open(GOLDEN_FILE) as f:
-            want = json.load(f)
-        bitwise = want["fingerprint"] == fingerprint()
-        bad = {n: compare(want["runs"][n], got[n], bitwise) for n in got}
+        recordings = load_recordings()
+        print(describe(recordings, fp))
+        bad = {n: check(recordings, fp, got[n], n) for n in got}
         for n, p in bad.items():
             print(f"{n}: {'ok' if not p else 'DIFFERS'}" + "".join(f"\n  {x}" for x in p[:10]))
         sys.exit(1 if any(bad.values()) else 0)

@@ -16,10 +16,12 @@ from safetensors.torch import load_file
 from retrieval_kit import ckpt
 from tests.conftest import ROOT, read_jsonl, run_script
 
+pytestmark = pytest.mark.slow  # every test here runs a script, a kill or a 2-rank launch
 
-def launch(script, args, nproc=1):
-    """Start a run in a session of its own, as a scheduler would."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
+
+def launch(script, args, nproc=1, env=None):
+    """Start a run in a session of its own, as a scheduler would (`env`: extra variables)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT, **(env or {}))
     cmd = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                f"--nproc_per_node={nproc}"]
     return subprocess.Popen(cmd + [os.path.join(ROOT, script)] + [str(a) for a in args], cwd=ROOT, env=env,

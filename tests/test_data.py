@@ -5,6 +5,8 @@ import random
 import pytest
 
 from retrieval_kit import data
+from retrieval_kit.formats import DataError
+from retrieval_kit.records import Record, read_records
 from tests.conftest import ROOT
 
 
@@ -19,7 +21,7 @@ def test_aliases_and_doc_objects(tmp_path):
         json.dumps({"query": "q1", "pos_doc": ["p1"], "neg_doc": ["n1", {"id": 7, "text": "n2"}]}),
         json.dumps({"question": "q2", "pos": [{"text": "p2"}], "neg": ["n3"]}),
     ])
-    recs, warnings = data.read_records(path)
+    recs, warnings = read_records(path)
     assert [(r.query, r.pos, r.neg) for r in recs] == [("q1", ["p1"], ["n1", "n2"]), ("q2", ["p2"], ["n3"])]
     assert recs[1].where == f"{path}:2"
     assert warnings == []
@@ -39,8 +41,8 @@ def test_every_bad_line_reported_with_file_and_line(tmp_path):
         json.dumps({"query": "q", "pos_doc": ["p"], "neg_doc": [{"id": 1}]}),
         json.dumps({"query": "q"}),
     ])
-    with pytest.raises(data.DataError) as e:
-        data.read_records(path)
+    with pytest.raises(DataError) as e:
+        read_records(path)
     msg = str(e.value)
     expected = {2: "invalid JSON", 3: "expected a JSON object", 4: "missing field 'query'",
                 5: "is empty or only spaces", 6: "at least one positive", 7: "pos_doc[0] must be a string",
@@ -53,10 +55,10 @@ def test_every_bad_line_reported_with_file_and_line(tmp_path):
 
 
 def test_missing_file_and_empty_file(tmp_path):
-    with pytest.raises(data.DataError, match="cannot open"):
-        data.read_records(str(tmp_path / "nope.jsonl"))
-    with pytest.raises(data.DataError, match="empty"):
-        data.read_records(write(tmp_path, [""]))
+    with pytest.raises(DataError, match="cannot open"):
+        read_records(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(DataError, match="empty"):
+        read_records(write(tmp_path, [""]))
 
 
 def test_negatives_needed_for_groups(tmp_path):
@@ -64,25 +66,25 @@ def test_negatives_needed_for_groups(tmp_path):
         json.dumps({"query": "q", "pos_doc": ["p"], "neg_doc": ["n"]}),
         json.dumps({"query": "q", "pos_doc": ["p"]}),
     ])
-    with pytest.raises(data.DataError, match=rf"1 of 2 record\(s\) have no negatives, but --n-passages 3 needs 2 "
+    with pytest.raises(DataError, match=rf"1 of 2 record\(s\) have no negatives, but --n-passages 3 needs 2 "
                                              rf"per group \(first: {path}:2\); pass --fill-negatives random"):
-        data.read_records(path, n_passages=3)
-    recs, warnings = data.read_records(write(tmp_path, [json.dumps({"query": "q", "pos_doc": ["p"], "neg_doc": ["n"]})],
+        read_records(path, n_passages=3)
+    recs, warnings = read_records(write(tmp_path, [json.dumps({"query": "q", "pos_doc": ["p"], "neg_doc": ["n"]})],
                                              "ok.jsonl"), n_passages=3)
     assert len(warnings) == 1 and "with replacement" in warnings[0] and "ok.jsonl:1" in warnings[0]
 
 
 def test_sample_group_without_then_with_replacement():
-    rec = data.Record("q", ["p"], ["a", "b", "c", "d"])
+    rec = Record("q", ["p"], ["a", "b", "c", "d"])
     for seed in range(20):
         g = data.sample_group(rec, 4, random.Random(seed))
         assert g[0] == "p" and len(set(g[1:])) == 3 and set(g[1:]) <= set(rec.neg)
-    small = data.Record("q", ["p"], ["a"])
+    small = Record("q", ["p"], ["a"])
     assert data.sample_group(small, 3, random.Random(0)) == ["p", "a", "a"]
 
 
 def test_negatives_resampled_each_epoch():
-    rec = data.Record("q", ["p"], [f"n{i}" for i in range(10)])
+    rec = Record("q", ["p"], [f"n{i}" for i in range(10)])
     draws = {tuple(data.sample_group(rec, 3, data.group_rng(1, epoch, 5))) for epoch in range(10)}
     assert len(draws) > 1
     assert data.sample_group(rec, 3, data.group_rng(1, 2, 5)) == data.sample_group(rec, 3, data.group_rng(1, 2, 5))
@@ -116,9 +118,9 @@ def test_gzipped_file_reads_as_the_plain_one(tmp_path):
     packed.write_bytes(gzip.compress(b"".join(lines)))
     misnamed = tmp_path / "t2.jsonl"  # compressed, named as plain: told by its first bytes
     misnamed.write_bytes(gzip.compress(b"".join(lines)))
-    want = data.read_records(str(plain), 2)[0]
+    want = read_records(str(plain), 2)[0]
     for path in (packed, misnamed):
-        got = data.read_records(str(path), 2)[0]
+        got = read_records(str(path), 2)[0]
         assert [(r.query, r.pos, r.neg) for r in got] == [(r.query, r.pos, r.neg) for r in want]
 
 
@@ -129,8 +131,8 @@ def test_undecodable_lines_are_each_named_with_the_other_problems(tmp_path):
     lines[6] = b"\xff" + lines[6]
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b"".join(lines))
-    with pytest.raises(data.DataError) as e:
-        data.read_records(str(path), 2)
+    with pytest.raises(DataError) as e:
+        read_records(str(path), 2)
     msg = str(e.value)
     assert msg.startswith("3 problem(s)")
     assert f"{path}:3: not UTF-8 text" in msg and f"{path}:7: not UTF-8 text (byte 0xff at byte 1" in msg
@@ -141,7 +143,7 @@ def test_bom_and_crlf_are_read(tmp_path):
     lines = [l.rstrip(b"\n") + b"\r\n" for l in _first_lines(4)]
     path = tmp_path / "win.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + b"".join(lines))
-    records = data.read_records(str(path), 2)[0]
+    records = read_records(str(path), 2)[0]
     assert len(records) == 4 and not records[0].query.startswith("\ufeff")
 
 
@@ -151,8 +153,8 @@ def test_truncated_gzip_is_one_message(tmp_path):
     blob = gzip.compress(b"".join(_first_lines(200)))
     path = tmp_path / "cut.jsonl.gz"
     path.write_bytes(blob[:len(blob) // 2])
-    with pytest.raises(data.DataError, match=f"{path}: the gzip stream is truncated or corrupt after line"):
-        data.read_records(str(path), 2)
+    with pytest.raises(DataError, match=f"{path}: the gzip stream is truncated or corrupt after line"):
+        read_records(str(path), 2)
 
 
 def test_gzipped_beir_folder(tmp_path):
@@ -171,6 +173,7 @@ def test_gzipped_beir_folder(tmp_path):
 
 @pytest.mark.parametrize("entry", [["train_biencoder.py", "--train-file"], ["train_reranker.py", "--train-file"],
                                    ["-m", "retrieval_kit.mine", "--out", "unused.jsonl", "--input"]])
+@pytest.mark.slow
 def test_a_bad_file_is_one_message_not_a_traceback(tmp_path, entry):
     import subprocess
     import sys

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from retrieval_kit import ckpt, dist, log, precision
+from retrieval_kit import ckpt, cli, dist, log, precision
 from tests.conftest import ROOT
 
 
@@ -84,17 +84,18 @@ def test_cuda_rng_state_is_the_current_devices_and_restores_onto_it(monkeypatch)
 
 class Args:
     def __init__(self, **kw):
-        self.compute_dtype, self.tf32, self.chunk_tokens = "auto", None, None
+        self.compute_dtype, self.tf32, self.chunk_tokens, self.num_workers = "auto", None, None, None
         self.__dict__.update(kw)
 
 
 def test_auto_defaults_on_cpu_change_nothing():
-    args = precision.device_defaults(Args(), torch.device("cpu"))
-    assert (args.compute_dtype, args.tf32, args.chunk_tokens) == ("none", False, 1024)
-    explicit = precision.device_defaults(Args(compute_dtype="bf16", chunk_tokens=0, tf32=False), torch.device("cpu"))
-    assert (explicit.compute_dtype, explicit.chunk_tokens) == ("bf16", 0)
+    args = cli.resolve_device_defaults(Args(), torch.device("cpu"))
+    assert (args.compute_dtype, args.tf32, args.chunk_tokens, args.num_workers) == ("none", False, 1024, 0)
+    explicit = cli.resolve_device_defaults(Args(compute_dtype="bf16", chunk_tokens=0, tf32=False, num_workers=3),
+                                           torch.device("cpu"))
+    assert (explicit.compute_dtype, explicit.chunk_tokens, explicit.num_workers) == ("bf16", 0, 3)
     with pytest.raises(SystemExit, match="--tf32"):
-        precision.device_defaults(Args(tf32=True), torch.device("cpu"))
+        cli.resolve_device_defaults(Args(tf32=True), torch.device("cpu"))
 
 
 def test_auto_defaults_on_cuda_are_bf16_compute_tf32_and_larger_chunks(monkeypatch):
@@ -103,10 +104,10 @@ def test_auto_defaults_on_cuda_are_bf16_compute_tf32_and_larger_chunks(monkeypat
     try:
         for bf16, compute in ((True, "bf16"), (False, "none")):  # a GPU without bf16 (V100) computes in fp32
             monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, bf16=bf16, **k: bf16)
-            args = precision.device_defaults(Args(), torch.device("cuda", 0))
-            assert (args.compute_dtype, args.tf32, args.chunk_tokens) == (compute, True, 8192)
+            args = cli.resolve_device_defaults(Args(), torch.device("cuda", 0))
+            assert (args.compute_dtype, args.tf32, args.chunk_tokens, args.num_workers) == (compute, True, 8192, 2)
             assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
-        precision.device_defaults(Args(tf32=False), torch.device("cuda", 0))
+        cli.resolve_device_defaults(Args(tf32=False), torch.device("cuda", 0))
         assert not torch.backends.cuda.matmul.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
@@ -131,6 +132,7 @@ def test_flops_per_token_counts_six_per_trained_non_embedding_param(tiny_model_d
     assert info["type"] == "cpu" and info["cpus"] == os.cpu_count()
 
 
+@pytest.mark.slow
 def test_the_autograd_gather_imports_and_runs_on_its_own(tmp_path):
     """Only retrieval_kit.dist imported (no DDP, no FSDP first): gather_with_grad on 2 gloo ranks,
     its backward summing each rank's slice of the gradient."""

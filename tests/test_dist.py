@@ -15,6 +15,8 @@ from retrieval_kit.models import BiEncoder, load_encoder
 from tests.conftest import ROOT
 from tests.test_chunking import GROUPS, QUERIES, assert_same, loss_and_grads
 
+pytestmark = pytest.mark.slow  # every test here runs a script, a kill or a 2-rank launch
+
 TOL = 1e-5  # fp32; observed: losses within 1.3e-6, weights within 2e-7, grads within 3.3e-6 of the max grad
 
 

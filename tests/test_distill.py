@@ -3,6 +3,7 @@ teacher's own scores, GradCache and 2 ranks against one plain process, and the t
 file (python -m retrieval_kit.score): its scores are the reranker's, killed and resumed or split
 over 2 ranks it equals a file written in one go."""
 
+import functools
 import math
 import os
 import signal
@@ -55,14 +56,20 @@ def test_kl_term_is_zero_with_zero_gradient_at_the_students_own_scores(tiny_mode
     out = BiEncoder(enc)(q=q, p=p)
     own = contrastive_scores(out["q"], out["p"], 2, in_batch=False)
     kl = distill_kl(own, own.detach(), 0.05, 0.05)
-    kl.backward()
-    assert kl.item() == 0.0
-    assert all(p.grad is None or p.grad.abs().max().item() == 0.0 for p in enc.parameters())
-    assert distill_kl(own.detach(), own.detach().flip(-1), 0.05, 0.05).item() > 0.01  # another teacher: not 0
+    kl.backward(retain_graph=True)
+    # Zero in exact arithmetic; in floats the gradient is softmax(s) - softmax(t) rounded, which some
+    # kernels (AVX512 with AMX, AVX2) leave at a few ulps: compared with the gradient of another teacher.
+    grads = [p.grad.abs().max().item() for p in enc.parameters() if p.grad is not None]
+    enc.zero_grad()
+    other = distill_kl(own, own.detach().flip(-1), 0.05, 0.05)  # another teacher: not 0
+    other.backward()
+    scale = max(p.grad.abs().max().item() for p in enc.parameters() if p.grad is not None)
+    assert abs(kl.item()) <= 1e-6 * other.item() and other.item() > 0.01
+    assert max(grads, default=0.0) <= 1e-5 * scale, (max(grads), scale)
 
 
 def test_grad_cache_step_gives_the_plain_steps_loss_and_grads_with_the_kl_term(tiny_model_dir):
-    from train_biencoder import infonce
+    from retrieval_kit.losses import biencoder_loss
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     enc = load_encoder(tiny_model_dir).train()  # dropout on: GradCache replays it
@@ -76,8 +83,9 @@ def test_grad_cache_step_gives_the_plain_steps_loss_and_grads_with_the_kl_term(t
     def run(step, weight):
         model.zero_grad()
         torch.manual_seed(3)
-        loss, *_ = step(model, batch, lambda out, **t: infonce(out, 2, 0.05, True, False, 0, (weight, 0.5), **t), 1,
-                       True)
+        loss_fn = functools.partial(biencoder_loss, n_passages=2, temperature=0.05, distill_weight=weight,
+                                    teacher_temperature=0.5)
+        loss, *_ = step(model, batch, loss_fn, 1, True)
         return loss.item(), {n: x.grad.clone() for n, x in params if x.grad is not None}
 
     plain, cached = run(loop.plain_step, 1.0), run(loop.grad_cache_step, 1.0)
@@ -123,8 +131,9 @@ def scored(tiny_model_dir, tmp_path_factory):
     return model, inp, out, tmp
 
 
+@pytest.mark.slow
 def test_score_file_holds_the_rerankers_logits_in_flagembedding_fields(scored):
-    from retrieval_kit.encode import score_groups
+    from retrieval_kit.encode import rerank_groups
     from retrieval_kit.export import load_exported_reranker
 
     model, inp, out, _ = scored
@@ -137,14 +146,15 @@ def test_score_file_holds_the_rerankers_logits_in_flagembedding_fields(scored):
         assert row["query"] == rec["query"] and row["pos"] == texts(rec["pos_doc"])
         assert row["neg"] == texts(rec["neg_doc"])
         docs = row["pos"] + row["neg"]
-        want = score_groups(net, tok, [row["query"]], [docs], settings)[0].tolist()
+        want = rerank_groups(net, tok, [row["query"]], [docs], settings)[0].tolist()
         assert row["pos_scores"] + row["neg_scores"] == pytest.approx(want, abs=1e-5)
     # the scripts read it back with the teacher scores
-    from retrieval_kit.data import read_records
+    from retrieval_kit.records import read_records
     records, _ = read_records(str(out))
     assert records.pos_scores is not None and "FlagEmbedding" in records.summary
 
 
+@pytest.mark.slow
 def test_score_file_killed_and_resumed_or_on_two_ranks_equals_one_written_in_one_go(scored):
     model, inp, one_go, tmp = scored
     args = ["--model", model, "--input", inp, "--block-size", 4, "--batch-size", 8]
@@ -169,11 +179,12 @@ def test_score_file_killed_and_resumed_or_on_two_ranks_equals_one_written_in_one
     assert two.read_bytes() == one_go.read_bytes()
 
 
+@pytest.mark.slow
 def test_distilled_run_on_two_ranks_logs_the_losses_of_one_process(scored, no_dropout_dir, tmp_path):
     """train_biencoder.py --distill-weight, with Matryoshka sizes and duplicate masking (the
     default) too: 2 ranks x 4 queries (gathered negatives) log the losses of one process with 8
     (dropout off: the ranks draw their own masks), and the export lists the sizes."""
-    from retrieval_kit.export import load_settings
+    from retrieval_kit.st_format import load_settings
 
     _, _, scores, _ = scored
     common = ["--model", no_dropout_dir, "--train-file", scores, "--val-file", "", "--max-steps", 2,
@@ -188,6 +199,7 @@ def test_distilled_run_on_two_ranks_logs_the_losses_of_one_process(scored, no_dr
     assert load_settings(str(tmp_path / "one" / "final"))["matryoshka_dims"] == [32, 16, 8]
 
 
+@pytest.mark.slow
 def test_distill_weight_without_teacher_scores_is_one_sentence(tiny_model_dir, small_train_file, tmp_path):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "train_biencoder.py"), "--model", tiny_model_dir,
                           "--train-file", small_train_file, "--distill-weight", "1", "--output-dir", str(tmp_path)],
@@ -196,6 +208,7 @@ def test_distill_weight_without_teacher_scores_is_one_sentence(tiny_model_dir, s
     assert "has no teacher scores" in out.stderr and "retrieval_kit.score" in out.stderr
 
 
+@pytest.mark.slow
 def test_a_biencoder_export_scores_by_the_inner_product_of_its_embeddings(scored, tiny_model_dir):
     from retrieval_kit.encode import encode_texts
     from retrieval_kit.export import export_model
@@ -217,15 +230,17 @@ def test_a_biencoder_export_scores_by_the_inner_product_of_its_embeddings(scored
         assert row["pos_scores"] + row["neg_scores"] == pytest.approx((q @ p.T)[0].tolist(), abs=1e-5)
 
 
-def test_reranker_group_loss_adds_the_listwise_kl_of_its_logits(scored, tiny_model_dir, tmp_path):
-    """train_reranker.py's loss_fn with teacher scores: the listwise loss + weight x the KL of the
+@pytest.mark.slow
+def test_reranker_loss_adds_the_listwise_kl_of_its_logits(scored, tiny_model_dir, tmp_path):
+    """train_reranker.py's loss_fn (losses.reranker_loss) with teacher scores: the listwise loss + weight x the KL of the
     logits (temperature 1) against the teacher; and a short run on the score file trains with it."""
     from retrieval_kit.losses import listwise_loss
-    from train_reranker import group_loss
+    from retrieval_kit.losses import reranker_loss
 
     logits = torch.tensor([2.0, 0.5, -1.0, 0.3, 0.1, 0.9])  # 2 queries x 3 pairs
     teacher = torch.tensor([[5.0, 1.0, 0.0], [1.0, float("nan"), 2.0]])
-    loss, _ = group_loss({"pairs": logits}, 3, listwise_loss, (0.5, 2.0), teacher=teacher)
+    loss, _ = reranker_loss({"pairs": logits}, n_passages=3, loss=listwise_loss, distill_weight=0.5,
+                            teacher_temperature=2.0, teacher=teacher)
     by_hand = listwise_loss(logits, 3).item() + 0.5 * kl_by_hand(logits.view(2, 3).tolist(), teacher.tolist(), 1.0, 2.0)
     assert loss.item() == pytest.approx(by_hand, rel=1e-6)
     _, _, scores, _ = scored

@@ -16,6 +16,7 @@ from tests.conftest import ROOT, run_module
 
 
 
+@pytest.mark.slow
 def test_evaluate_entry_point_two_stages_and_ranks(tiny_model_dir, tokenizer, small_beir, tmp_path):
     torch.manual_seed(0)
     rr_dir = export_model(str(tmp_path / "rr"), load_reranker(tiny_model_dir), tokenizer, {
@@ -52,6 +53,7 @@ def test_fuse_scores_standardises_each_stage():
     (["--rerank-top-k", "0"], "argument --rerank-top-k: must be a positive integer, got 0"),
     (["--reranker", "/nonexistent"], "--reranker /nonexistent: no such folder"),
 ])
+@pytest.mark.slow
 def test_evaluate_bad_flags_are_one_message(args, message):
     out = subprocess.run([sys.executable, "-m", "retrieval_kit.evaluate", "--beir", "data/ood", *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)

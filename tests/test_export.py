@@ -12,8 +12,9 @@ import torch
 from transformers import AutoTokenizer
 
 from retrieval_kit import data
+from retrieval_kit.records import read_records
 from retrieval_kit.collate import DEFAULT_TEMPLATE, encode_pair, PAIR
-from retrieval_kit.encode import score_groups
+from retrieval_kit.encode import rerank_groups
 from retrieval_kit.export import export_reranker, load_exported_reranker
 from retrieval_kit.models import load_reranker, rerank_head, setup_pad_token
 from tests.conftest import ROOT, stock_scores
@@ -23,7 +24,7 @@ LONG = "zstd is a fast lossless compression algorithm with a very long descripti
 
 
 def val_groups(n_groups=6, n=4):
-    val, _ = data.read_records(os.path.join(ROOT, "data", "val.jsonl"), n)
+    val, _ = read_records(os.path.join(ROOT, "data", "val.jsonl"), n)
     val = val[:n_groups]
     groups = [data.fixed_group(r, n) for r in val]
     groups[0][1] = LONG  # one passage past the max length: truncated
@@ -56,7 +57,7 @@ def test_encoder_export_scores_the_same_in_transformers_and_sentence_transformer
     assert config["sentence_transformers"]["activation_fn"] == "torch.nn.modules.linear.Identity"
     queries, groups = val_groups()
     model, tok, saved = load_exported_reranker(out)
-    kit = score_groups(model, tok, queries, groups, saved)
+    kit = rerank_groups(model, tok, queries, groups, saved)
     assert kit.std() > 0.1  # the comparison below is not between constants
     s_hf, s_st = stock_scores(out, queries, groups)
     assert (kit - s_hf).abs().max() < 1e-5
@@ -71,7 +72,7 @@ def test_decoder_export_with_a_template_scores_the_same(tiny_decoder_dir, tmp_pa
     groups = [["a python package for data files", "the server", "command line tool " * 30],
               ["a graphical tool for the user", "documentation of the library", "data"]]
     model, tok, saved = load_exported_reranker(out)
-    kit = score_groups(model, tok, queries, groups, saved)
+    kit = rerank_groups(model, tok, queries, groups, saved)
     assert kit.std() > 0.1
     # the trained input, token for token: the kit's template ids from the exported tokenizer's pair encoding
     train_tok = AutoTokenizer.from_pretrained(tiny_decoder_dir)
@@ -88,6 +89,6 @@ def test_kit_only_pooling_is_recorded(tiny_model_dir, tmp_path):
     assert not settings["portable"] and "--pooling avg" in settings["kit_only"][0]
     queries, groups = val_groups(3)
     model, tok, saved = load_exported_reranker(out)
-    kit = score_groups(model, tok, queries, groups, saved)
+    kit = rerank_groups(model, tok, queries, groups, saved)
     s_hf, _ = stock_scores(out, queries, groups)
     assert (kit - s_hf).abs().max() > 1e-3  # really scored differently: the flag is needed

@@ -1,5 +1,5 @@
 """The field's training formats, docs by corpus id, --fill-negatives, and the validators (formats.py,
-textstore.py, data.read_records), each against the bundled data written out by hand in that format."""
+textstore.py, records.read_records), each against the bundled data written out by hand in that format."""
 
 import gzip
 import json
@@ -9,6 +9,8 @@ import random
 import pytest
 
 from retrieval_kit import data, formats
+from retrieval_kit.formats import DataError
+from retrieval_kit.records import read_records
 from tests.conftest import ROOT
 
 
@@ -75,14 +77,14 @@ def write_corpus(path, recs, packed=False):
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "gzip"])
 def test_every_format_reads_the_same_records(tmp_path, packed):
     recs = bundled()
-    want = as_tuples(data.read_records(write_jsonl(tmp_path / "ref.jsonl", nemo_text(recs)), 4)[0])
+    want = as_tuples(read_records(write_jsonl(tmp_path / "ref.jsonl", nemo_text(recs)), 4)[0])
     assert len(want) == 12 and all(len(neg) == 3 for _, _, neg in want)
     corpus_path, n_docs = write_corpus(tmp_path / "corpus.jsonl", recs, packed)
     corpus = formats.read_corpus(corpus_path)
     assert len(corpus) == n_docs
     for name, (objs, by_id) in formats_of(recs).items():
         path = write_jsonl(tmp_path / f"{name.replace(' ', '_')}.jsonl{'.gz' if packed else ''}", objs, packed)
-        got, warnings = data.read_records(path, 4, formats.read_corpus(corpus_path) if by_id else None)
+        got, warnings = read_records(path, 4, formats.read_corpus(corpus_path) if by_id else None)
         assert as_tuples(got) == want, name
         assert warnings == []
         assert f"{FORMAT_OF[name]} format" in got.summary, (name, got.summary)
@@ -93,7 +95,7 @@ def test_every_format_reads_the_same_records(tmp_path, packed):
 def test_each_passage_text_is_stored_once(tmp_path):
     recs = bundled(40)
     objs = nemo_text(recs) * 3  # every passage three times over
-    got = data.read_records(write_jsonl(tmp_path / "t.jsonl", objs), 2)[0]
+    got = read_records(write_jsonl(tmp_path / "t.jsonl", objs), 2)[0]
     distinct = {t for o in objs for t in o["pos_doc"] + o["neg_doc"]}
     assert len(got) == 120 and len(got.passages) == len(distinct)
     assert as_tuples(got[80:]) == as_tuples(got[:40])
@@ -101,7 +103,7 @@ def test_each_passage_text_is_stored_once(tmp_path):
 
 def test_unread_fields_are_named_in_the_summary(tmp_path):
     objs = [dict(o, type="normal", pos_id=[1]) for o in nemo_text(bundled(3))]
-    got = data.read_records(write_jsonl(tmp_path / "t.jsonl", objs))[0]
+    got = read_records(write_jsonl(tmp_path / "t.jsonl", objs))[0]
     assert "fields not read: type (3), pos_id (3)" in got.summary
 
 
@@ -111,7 +113,7 @@ def test_flagembedding_scores_travel_with_the_sampled_passages_and_prompts_are_p
     for r in nemo_text(bundled(8)):
         objs.append({"query": r["query"], "pos": r["pos_doc"], "neg": r["neg_doc"], "prompt": "Find the package: ",
                      "pos_scores": [rng.random() for _ in r["pos_doc"]], "neg_scores": [rng.random() for _ in r["neg_doc"]]})
-    records = data.read_records(write_jsonl(tmp_path / "flag.jsonl", objs), 3)[0]
+    records = read_records(write_jsonl(tmp_path / "flag.jsonl", objs), 3)[0]
     assert "teacher scores kept" in records.summary and "8 prompts prepended" in records.summary
     for i, (r, o) in enumerate(zip(records, objs)):
         assert r.query == "Find the package: " + o["query"]
@@ -128,21 +130,21 @@ def test_docs_missing_from_the_corpus_are_named(tmp_path):
     objs = formats_of(recs)["NeMo ids"][0]
     objs[1]["neg_doc"][2] = "no-such-doc"
     path = write_jsonl(tmp_path / "t.jsonl", objs)
-    with pytest.raises(data.DataError, match=rf"{path}:2: doc id 'no-such-doc' is not in {corpus_path}"):
-        data.read_records(path, 2, formats.read_corpus(corpus_path))
+    with pytest.raises(DataError, match=rf"{path}:2: doc id 'no-such-doc' is not in {corpus_path}"):
+        read_records(path, 2, formats.read_corpus(corpus_path))
     objs[1]["neg_doc"][2] = {"id": "x"}
-    with pytest.raises(data.DataError, match=r"neg_doc\[2\] is an object without 'text' \(a doc given by id needs "):
-        data.read_records(write_jsonl(tmp_path / "u.jsonl", objs), 2)
+    with pytest.raises(DataError, match=r"neg_doc\[2\] is an object without 'text' \(a doc given by id needs "):
+        read_records(write_jsonl(tmp_path / "u.jsonl", objs), 2)
 
 
 def test_records_without_negatives_fail_by_default_and_fill_with_the_flag(tmp_path):
     objs = [{"query": f"query {i}", "pos_doc": [f"positive {i}"], "neg_doc": [] if i % 2 else [f"negative {i}"]}
             for i in range(6)]
     path = write_jsonl(tmp_path / "t.jsonl", objs)
-    with pytest.raises(data.DataError, match=r"3 of 6 record\(s\) have no negatives, but --n-passages 4 needs 3 .*"
+    with pytest.raises(DataError, match=r"3 of 6 record\(s\) have no negatives, but --n-passages 4 needs 3 .*"
                                              r"--fill-negatives random"):
-        data.read_records(path, 4)
-    records, warnings = data.read_records(path, 4, fill="random")
+        read_records(path, 4)
+    records, warnings = read_records(path, 4, fill="random")
     assert "6 record(s) have fewer than 3 negatives" in warnings[0]
     for i, r in enumerate(records):
         for epoch in range(30):
@@ -157,14 +159,14 @@ def test_records_without_negatives_fail_by_default_and_fill_with_the_flag(tmp_pa
     # with --corpus, a file read later adds its inline texts to the shared store: the pool stays put
     recs = bundled(3)
     corpus = formats.read_corpus(write_corpus(tmp_path / "corpus.jsonl", recs)[0])
-    train = data.read_records(write_jsonl(tmp_path / "ids.jsonl", formats_of(recs)["NeMo ids"][0]), 2, corpus,
+    train = read_records(write_jsonl(tmp_path / "ids.jsonl", formats_of(recs)["NeMo ids"][0]), 2, corpus,
                               fill="random")[0]
     pool = train[0].fill_pool
-    data.read_records(write_jsonl(tmp_path / "val.jsonl", bundled(20)[10:]), 2, corpus)  # inline {"id", "text"}
+    read_records(write_jsonl(tmp_path / "val.jsonl", bundled(20)[10:]), 2, corpus)  # inline {"id", "text"}
     assert len(corpus.texts) > pool == train[0].fill_pool
     too_few = write_jsonl(tmp_path / "small.jsonl", objs[:1])
-    with pytest.raises(data.DataError, match="--fill-negatives random needs at least 3 passages"):
-        data.read_records(too_few, 4, fill="random")
+    with pytest.raises(DataError, match="--fill-negatives random needs at least 3 passages"):
+        read_records(too_few, 4, fill="random")
 
 
 @pytest.mark.parametrize("line, problem", [
@@ -187,8 +189,8 @@ def test_records_without_negatives_fail_by_default_and_fill_with_the_flag(tmp_pa
 ])
 def test_validation_holes_are_closed(tmp_path, line, problem):
     path = write_jsonl(tmp_path / "t.jsonl", [line])
-    with pytest.raises(data.DataError) as e:
-        data.read_records(path)
+    with pytest.raises(DataError) as e:
+        read_records(path)
     assert f"{path}:1: " in str(e.value) and problem in str(e.value), str(e.value)
 
 
@@ -223,7 +225,7 @@ def test_beir_folders_are_validated(tmp_path, part, value, problem):
 
     parts = {"corpus": GOOD_CORPUS, "queries": GOOD_QUERIES, "qrels": GOOD_QRELS, part: value}
     folder = beir_dir(tmp_path, parts["corpus"], parts["queries"], parts["qrels"])
-    with pytest.raises(data.DataError) as e:
+    with pytest.raises(DataError) as e:
         load_beir(folder)
     assert problem in str(e.value), str(e.value)
 
@@ -323,8 +325,8 @@ def test_fuzz_mutated_files_load_or_name_their_line(tmp_path, tokenizer):
         path = tmp_path / f"m{n}.jsonl"
         path.write_bytes(blob)
         try:
-            records = data.read_records(str(path), 2)[0]
-        except data.DataError as e:
+            records = read_records(str(path), 2)[0]
+        except DataError as e:
             counts["raised"] += 1
             assert bad_line is not None, f"{what}: a valid file was refused:\n{e}"
             assert f"{path}:{bad_line}: " in str(e) or f"{path}: " in str(e), f"{what}: {e}"
@@ -360,7 +362,7 @@ def test_fuzz_mutated_corpora_load_or_name_their_line(tmp_path):
         path = write_jsonl(tmp_path / f"c{n}.jsonl", objs)
         try:
             corpus = formats.read_corpus(path)
-        except data.DataError as e:
+        except DataError as e:
             raised += 1
             assert bad and (f"{path}:{k + 1}: " in str(e) or f"(first at line {k + 1})" in str(e)), (field, value, str(e))
             continue

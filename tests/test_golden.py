@@ -1,37 +1,65 @@
 """Every golden run (tests/golden.py) reproduces its recorded numbers - per-step train loss, grad
 norm, accuracy, learning rate, validation metrics and the exported weights' hash - with batches
-built in the training process (--num-workers 0), and for the modes that feed the step differently
-in two DataLoader workers."""
+built in the training process (--num-workers 0) and in two DataLoader workers. Bitwise where this
+machine's numeric fingerprint has a recording, within golden.TOLERANCE elsewhere; the run's
+summary line says which (conftest.pytest_terminal_summary)."""
 
-import json
+import copy
+import math
 
 import pytest
 
-from tests.golden import compare, CONFIGS, fingerprint, GOLDEN_FILE, run_config
+from tests.golden import (check, compare, comparison, CONFIGS, describe, fingerprint, load_recordings, run_config,
+                          TOLERANCE)
+
+RUNS = [(name, w) for name in CONFIGS for w in (0, 2)]
 
 
 @pytest.fixture(scope="module")
-def golden():
-    with open(GOLDEN_FILE) as f:
-        return json.load(f)
+def recordings():
+    return load_recordings()
 
 
-# With 2 workers, the modes whose batches reach the step differently: several micro-batches per
-# step, batches sharded over ranks, and a sampler that starts mid-run (resume). The other modes
-# differ from these only inside the step, which the workers do not touch. Both scripts feed their
-# batches through the same data.StepBatches and loop.step_batches, so the reranker runs only the
-# first of these in workers, for its own collate (keeps the suite short).
-WORKER_MODES = {"biencoder": ("accum2", "ddp2", "sigkill_resume"), "reranker": ("accum2",)}
-RUNS = [(name, 0) for name in CONFIGS] + [(name, 2) for name in CONFIGS
-                                          if name.split("/")[1] in WORKER_MODES[name.split("/")[0]]]
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("name,workers", RUNS)
-def test_golden_run(name, workers, golden, tiny_model_dir, small_train_file, tmp_path):
+def test_golden_run(name, workers, recordings, tiny_model_dir, small_train_file, tmp_path):
     got = run_config(name, tiny_model_dir, small_train_file, str(tmp_path / "run"), ["--num-workers", workers])
-    bitwise = golden["fingerprint"] == fingerprint()
-    if not bitwise:
-        print(f"recorded on {golden['fingerprint']}, running on {fingerprint()}: "
-              "compared within 1e-4, hash not compared")
-    problems = compare(golden["runs"][name], got, bitwise)
+    problems = check(recordings, fingerprint(), got, name)
+    assert not problems, describe(recordings, fingerprint()) + "\n" + "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_other_kernels_are_compared_within_the_tolerance_and_pass(recordings, tiny_model_dir, small_train_file,
+                                                                  tmp_path):
+    """ATEN_CPU_CAPABILITY=default swaps torch's vectorized kernels for the plain ones on any
+    machine: a fingerprint no recording has, so the tolerance path runs, and it must still pass."""
+    env = {"ATEN_CPU_CAPABILITY": "default"}
+    fp = fingerprint(env)
+    against, bitwise = comparison(recordings, fp)
+    assert not bitwise and len(against) == len(recordings)
+    got = run_config("biencoder/grad_cache", tiny_model_dir, small_train_file, str(tmp_path / "run"), env=env)
+    problems = check(recordings, fp, got, "biencoder/grad_cache")
     assert not problems, "\n".join(problems)
+
+
+def test_the_comparison_fails_past_the_tolerance_and_bitwise_on_the_last_bit(recordings):
+    want = recordings[0]["runs"]["reranker/plain"]
+    near, far, last_bit = copy.deepcopy(want), copy.deepcopy(want), copy.deepcopy(want)
+    loss = want["train"]["2"]["loss"]
+    near["train"]["2"]["loss"] = loss * (1 + TOLERANCE / 2)
+    far["train"]["2"]["loss"] = loss + 2 * TOLERANCE * max(1.0, abs(loss))
+    last_bit["train"]["2"]["loss"] = math.nextafter(loss, math.inf)  # one ulp up
+    assert compare(want, near, bitwise=False) == []
+    assert len(compare(want, far, bitwise=False)) == 1
+    assert compare(want, last_bit, bitwise=False) == [] and len(compare(want, last_bit, bitwise=True)) == 1
+    assert compare(want, {**want, "weights": "0" * 64}, bitwise=False) == []  # the hash is bitwise only
+    assert len(compare(want, {**want, "weights": "0" * 64}, bitwise=True)) == 1
+
+
+def test_the_fingerprint_tells_machines_apart(recordings):
+    fp = fingerprint()
+    assert {"torch", "cpu_capability", "cpu", "cpu_flags", "mkl", "onednn", "threads"} <= set(fp)
+    assert fingerprint({"ATEN_CPU_CAPABILITY": "default"})["cpu_capability"] == "DEFAULT" != fp["cpu_capability"]
+    other = [{"fingerprint": {**fp, "cpu": "another CPU"}, "runs": {}}]
+    assert comparison(other, fp) == (other, False) and "within" in describe(other, fp)
+    assert comparison(other + [{"fingerprint": fp, "runs": {}}], fp)[1]

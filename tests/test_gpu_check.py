@@ -1,14 +1,17 @@
 """bench/gpu_check.py runs here: the quick parts, with the GPU-only ones skipped on a CPU (the
-whole script takes ~80 s on this CPU and is run by hand; README, The GPU path)."""
+whole script takes ~80 s on this CPU and is run by hand; docs/gpu.md)."""
 
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow  # runs bench/gpu_check.py's quick parts in a subprocess
 
 
 def test_gpu_check_quick_parts_run_and_skip_what_needs_a_gpu(tmp_path):

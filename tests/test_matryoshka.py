@@ -2,6 +2,7 @@
 embeddings, GradCache and 2 ranks against one plain process, retrieval per size, the flags'
 refusals, and sentence-transformers' truncate_dim reading the export."""
 
+import functools
 import math
 import os
 import re
@@ -47,7 +48,7 @@ def test_matryoshka_loss_is_the_weighted_sum_of_losses_on_each_renormalized_pref
 
 
 def test_grad_cache_step_gives_the_plain_steps_matryoshka_loss_and_grads(tiny_model_dir):
-    from train_biencoder import infonce
+    from retrieval_kit.losses import biencoder_loss, contrastive_loss, matryoshka
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     enc = load_encoder(tiny_model_dir).train()
@@ -58,8 +59,9 @@ def test_grad_cache_step_gives_the_plain_steps_matryoshka_loss_and_grads(tiny_mo
     def run(step, dims):
         model.zero_grad()
         torch.manual_seed(3)
-        loss, *_ = step(model, batch, lambda out: infonce(out, 2, 0.05, True, False, 0, matryoshka=(*dims, True)),
-                       1, True)
+        loss_fn = functools.partial(biencoder_loss, n_passages=2, temperature=0.05,
+                                    contrastive=matryoshka(contrastive_loss, *dims, normalize=True))
+        loss, *_ = step(model, batch, loss_fn, 1, True)
         return loss.item(), {n: x.grad.clone() for n, x in enc.named_parameters() if x.grad is not None}
 
     dims = ([32, 16, 8], [1.0, 1.0, 0.5])
@@ -112,6 +114,7 @@ def test_retrieval_per_size_is_an_exact_search_over_each_renormalized_prefix(tin
     assert runs[8] != runs[None]
 
 
+@pytest.mark.slow
 def test_matryoshka_flag_mistakes_are_one_sentence(tiny_model_dir, small_train_file, tmp_path):
     from retrieval_kit.losses import matryoshka_plan
 

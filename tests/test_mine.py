@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 from retrieval_kit.mine import mine_hard_negatives
@@ -17,6 +18,7 @@ def test_mining_window_and_false_negative_filter():
     assert mine_hard_negatives(q, p, [[0]], k=2, skip_top=1, max_score_ratio=None, p_texts=texts) == [[2, 3]]
 
 
+@pytest.mark.slow
 def test_mine_entry_point(tiny_model_dir, small_beir, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(line for line in open(os.path.join(ROOT, "data", "val.jsonl")).readlines()[:5]))
@@ -30,6 +32,7 @@ def test_mine_entry_point(tiny_model_dir, small_beir, tmp_path):
         assert len(r["neg_doc"]) == 4 and not set(r["neg_doc"]) & set(pos)
 
 
+@pytest.mark.slow
 def test_mine_leaves_out_queries_with_no_negative(tiny_model_dir, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(line for line in open(os.path.join(ROOT, "data", "val.jsonl")).readlines()[:3]))

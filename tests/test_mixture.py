@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from retrieval_kit import data
-from retrieval_kit.data import Record, StepBatches, TrainFile
+from retrieval_kit import cli, data
+from retrieval_kit.records import Record, read_mix, read_train_val
+from retrieval_kit.data import StepBatches, TrainFile
 from retrieval_kit.formats import DataError
 from tests.conftest import ROOT, read_jsonl, run_script
 
@@ -86,13 +87,12 @@ def test_a_files_prompt_reaches_its_batches_only(tmp_path):
                                             "neg_doc": [f"{tag}{i} other"]}) + "\n" for i in range(8)))
     mix = tmp_path / "mix.jsonl"
     mix.write_text('{"file": "a.jsonl", "query_prefix": "query: "}\n{"file": "b.jsonl", "name": "plain"}\n')
-    entries = data.read_mix(str(mix), ("query_prefix",))
+    entries = read_mix(str(mix), ("query_prefix",))
     assert [e["file"] for e in entries] == [str(a), str(b)]  # relative to the mix file
-    from train_biencoder import parse_args
-    args = parse_args(["--train-mix", str(mix), "--val-file", "", "--batch-size", "2"])
-    files, _ = data.read_train_val(args, 1, ("query_prefix",))
+    args = cli.parse(cli.biencoder_parser(), ["--train-mix", str(mix), "--val-file", "", "--batch-size", "2"])
+    files, _, mixture = read_train_val(cli.data_spec(args, ("query_prefix",)), 1)
     assert [(f.name, f.prompts) for f in files] == [("a", {"query_prefix": "query: "}), ("plain", {})]
-    assert args.train_mixture[0] == {"name": "a", "file": str(a), "records": 8, "weight": None,
+    assert args.train_file == [] and mixture[0] == {"name": "a", "file": str(a), "records": 8, "weight": None,
                                      "batches_per_round": 4, "query_prefix": "query: "}
     ds = StepBatches(files, 2, 2, 0, 1, 0, [functools.partial(queries_only, **f.prompts) for f in files])
     for i in range(8):
@@ -111,7 +111,7 @@ def test_bad_mix_lines_are_each_named_by_file_and_line(tmp_path):
                    '{"file": "ok.jsonl"}\n'
                    'not json\n')
     with pytest.raises(DataError) as e:
-        data.read_mix(str(mix), ("query_prefix", "passage_prefix"))
+        read_mix(str(mix), ("query_prefix", "passage_prefix"))
     text = str(e.value)
     for line, says in ((2, "no such file"), (3, "\"weight\" must be a positive number"), (4, "unknown key 'query_prompt'"),
                        (5, '"file" must be the path'), (6, 'no "weight"'), (7, "invalid JSON")):
@@ -119,29 +119,29 @@ def test_bad_mix_lines_are_each_named_by_file_and_line(tmp_path):
     assert f"{mix}:1:" not in text
 
 
-def cli(script, args):
+def run_cli(script, args):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     return subprocess.run([sys.executable, os.path.join(ROOT, script)] + [str(a) for a in args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_the_users_mistakes_are_one_sentence(small_train_file, tmp_path, capsys):
-    from train_biencoder import parse_args
-
+    parse_args = functools.partial(cli.parse, cli.biencoder_parser())
     mix = tmp_path / "mix.jsonl"
     mix.write_text(json.dumps({"file": small_train_file, "weight": 1, "prompt_template": "{query}"}) + "\n")
     with pytest.raises(SystemExit) as e:
         parse_args(["--train-file", small_train_file, "--train-mix", str(mix)])
     assert e.value.code == 2 and "--train-mix: not allowed with argument --train-file" in capsys.readouterr().err
-    args = parse_args(["--train-file", small_train_file, "--train-file", small_train_file, "--train-weights", "1,2,3"])
     with pytest.raises(SystemExit, match=r"--train-weights: 3 weight\(s\) for 2 --train-file\(s\)"):
-        data.training_files(args)
-    from train_biencoder import PROMPT_KEYS
+        parse_args(["--train-file", small_train_file, "--train-file", small_train_file, "--train-weights", "1,2,3"])
+    with pytest.raises(SystemExit, match=r"--train-weights: not with --train-mix"):
+        parse_args(["--train-mix", str(mix), "--train-weights", "1"])
     with pytest.raises(DataError, match=r":1: unknown key 'prompt_template' \(a line may hold: file, weight, name, "
                                         r"query_prefix, passage_prefix\)"):
-        data.read_mix(str(mix), PROMPT_KEYS)  # the reranker's key is not the bi-encoder's
+        read_mix(str(mix), cli.BIENCODER_PROMPT_KEYS)  # the reranker's key is not the bi-encoder's
     # the whole way, as a user meets it: the reranker reads the template after loading the model
-    out = cli("train_reranker.py", ["--train-mix", mix, "--val-file", "", "--output-dir", tmp_path / "rr"])
+    out = run_cli("train_reranker.py", ["--train-mix", mix, "--val-file", "", "--output-dir", tmp_path / "rr"])
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     says = f"--train-mix: {small_train_file}: \"prompt_template\" must contain {{query}} and {{passage}}"
     assert says in out.stdout + out.stderr, out.stderr[-3000:]
@@ -160,6 +160,7 @@ def two_files(small_train_file, tmp_path_factory):
     return mix
 
 
+@pytest.mark.slow
 def test_a_resume_mid_mixture_goes_on_exactly_and_a_changed_mix_is_refused(tiny_model_dir, two_files, tmp_path):
     args = ["--model", tiny_model_dir, "--train-mix", two_files, "--val-file", "", "--batch-size", "4",
             "--grad-accum-steps", "2", "--passage-max-length", "32", "--max-steps", "6", "--ckpt-every", "3"]
@@ -176,12 +177,13 @@ def test_a_resume_mid_mixture_goes_on_exactly_and_a_changed_mix_is_refused(tiny_
 
     changed = two_files.parent / "mix_1_3.jsonl"
     changed.write_text(two_files.read_text().replace('"weight": 2', '"weight": 3'))
-    out = cli("train_biencoder.py", [changed if a == two_files else a for a in args] +
+    out = run_cli("train_biencoder.py", [changed if a == two_files else a for a in args] +
               ["--output-dir", tmp_path / "a", "--resume", "auto"])
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert "the training files (name, path, records, weight, batches per round, prompts)" in out.stdout + out.stderr
 
 
+@pytest.mark.slow
 def test_the_reranker_trains_on_a_mix_with_a_files_own_template(tiny_model_dir, two_files, tmp_path):
     mix = tmp_path / "mix.jsonl"
     mix.write_text(two_files.read_text().replace('"query_prefix": "query: "',

@@ -1,22 +1,122 @@
-"""Every flag of both scripts is documented in the README."""
+"""The README and docs/ say what the code does: docs/flags.md is what the parsers generate, every
+command in a code block names a program that exists and only flags it accepts, every linked page
+exists, the README stays short and its layout lists every module."""
 
+import functools
 import os
 import re
+import shlex
 import subprocess
 import sys
 
 import pytest
 
+from retrieval_kit import cli
 from tests.conftest import ROOT
 
+DOCS = [os.path.join(ROOT, "README.md")] + sorted(
+    os.path.join(ROOT, "docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
 
-@pytest.mark.parametrize("script", ["train_biencoder.py", "train_reranker.py"])
-def test_every_flag_is_in_the_readme(script):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=ROOT, COLUMNS="10000"), timeout=120)
-    assert out.returncode == 0, out.stderr
-    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*(?![\w-])", out.stdout)) - {"--help"}
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    assert len(flags) > 30
-    missing = sorted(f for f in flags if f"`{f}`" not in readme and f"{f} " not in readme)
-    assert not missing, f"flags of {script} missing from README.md: {missing}"
+
+def read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def test_flags_md_is_what_the_parsers_generate():
+    assert read(os.path.join(ROOT, "docs", "flags.md")) == cli.flags_markdown(), \
+        "docs/flags.md is stale: python -m retrieval_kit.cli > docs/flags.md"
+
+
+def test_every_flag_of_both_scripts_is_in_flags_md():
+    text = read(os.path.join(ROOT, "docs", "flags.md"))
+    for parser in (cli.biencoder_parser(), cli.reranker_parser()):
+        flags = {o for a in parser._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
+        assert len(flags) > 30
+        assert not sorted(f for f in flags if f"`{f}`" not in text)
+
+
+def commands(text):
+    """The shell commands in a page's ```bash blocks: continuation lines joined, comments dropped."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split(" #")[0].strip()
+            if line and not line.startswith("#"):
+                out += [c.strip() for c in re.split(r"&&|;|\|", line) if c.strip()]
+    return out
+
+
+def program(cmd):
+    """(how to ask for --help, the tokens after the program) of a kit command, or None."""
+    try:
+        tokens = shlex.split(cmd)
+    except ValueError:
+        return None
+    for i, t in enumerate(tokens):
+        if t == "-m" and i + 1 < len(tokens) and tokens[i + 1].startswith("retrieval_kit."):
+            return ("-m", tokens[i + 1]), tokens[i + 2:]
+        if t.endswith(".py") and (t.startswith(("bench/", "scripts/")) or t in ("train_biencoder.py",
+                                                                               "train_reranker.py")):
+            return ("file", t), tokens[i + 1:]
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def accepted_flags(kind, name):
+    if name == "train_biencoder.py":
+        parser = cli.biencoder_parser()
+    elif name == "train_reranker.py":
+        parser = cli.reranker_parser()
+    else:
+        cmd = [sys.executable] + (["-m", name] if kind == "-m" else [os.path.join(ROOT, name)]) + ["--help"]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120,
+                             env=dict(os.environ, PYTHONPATH=ROOT, COLUMNS="10000"))
+        assert out.returncode == 0, (name, out.stderr[-2000:])
+        return frozenset(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", out.stdout))
+    return frozenset(o for a in parser._actions for o in a.option_strings)
+
+
+@pytest.mark.slow
+def test_every_command_in_the_docs_runs_a_program_that_exists_with_flags_it_accepts():
+    checked, bad = 0, []
+    for path in DOCS:
+        for cmd in commands(read(path)):
+            found = program(cmd)
+            if found is None:
+                continue
+            (kind, name), rest = found
+            where = f"{os.path.relpath(path, ROOT)}: {cmd[:80]}"
+            if kind == "file" and not os.path.isfile(os.path.join(ROOT, name)):
+                bad.append(f"{where}: no file {name}")
+                continue
+            if kind == "-m" and not os.path.isfile(os.path.join(ROOT, *name.split(".")) + ".py"):
+                bad.append(f"{where}: no module {name}")
+                continue
+            flags = {t.split("=")[0] for t in rest if t.startswith("--")}
+            unknown = sorted(flags - accepted_flags(kind, name))
+            if unknown:
+                bad.append(f"{where}: {name} has no {unknown}")
+            for t in rest:  # the repo's own files a command reads
+                if re.match(r"(data|bench|scripts|tests)/[\w./-]+$", t) and not os.path.exists(os.path.join(ROOT, t)):
+                    bad.append(f"{where}: no such path {t}")
+            checked += 1
+    assert checked >= 20 and not bad, "\n".join(bad)
+
+
+def test_links_point_at_files_that_exist():
+    bad = []
+    for path in DOCS:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", read(path)):
+            if not os.path.exists(os.path.join(os.path.dirname(path), target)):
+                bad.append(f"{os.path.relpath(path, ROOT)}: {target}")
+    assert not bad, bad
+
+
+def test_the_readme_is_short_and_its_layout_lists_every_module():
+    text = read(os.path.join(ROOT, "README.md"))
+    assert len(text.splitlines()) <= 300
+    layout = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    modules = sorted(f for f in os.listdir(os.path.join(ROOT, "retrieval_kit")) if f.endswith(".py") and f != "__init__.py")
+    assert not [m for m in modules if f"  {m}" not in layout]
+    assert all(f"docs/{os.path.basename(p)}" in text for p in DOCS[1:] if not p.endswith("README.md"))

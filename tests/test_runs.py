@@ -4,7 +4,6 @@ resume, damaged checkpoints (fall back to the previous intact one), and random S
 
 import contextlib
 import hashlib
-import importlib
 import io
 import json
 import os
@@ -17,6 +16,7 @@ import time
 
 import pytest
 
+from retrieval_kit import cli
 from tests.conftest import ROOT
 
 BAD_FLAGS = [  # (flag, value, what argparse must say)
@@ -49,12 +49,11 @@ SCRIPT_FLAGS = {"train_biencoder": [("--temperature", "0", "must be a positive n
 
 @pytest.mark.parametrize("script", ["train_biencoder", "train_reranker"])
 def test_every_nonsense_flag_is_one_argparse_line(script):
-    sys.path.insert(0, ROOT)
-    parse_args = importlib.import_module(script).parse_args
+    parser = {"train_biencoder": cli.biencoder_parser, "train_reranker": cli.reranker_parser}[script]()
     for flag, value, said in BAD_FLAGS + SCRIPT_FLAGS[script]:
         err = io.StringIO()
         with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
-            parse_args([flag, value])
+            cli.parse(parser, [flag, value])
         assert e.value.code == 2, (flag, value)
         assert f"argument {flag}: {said}" in err.getvalue(), (flag, value, err.getvalue())
         assert "Traceback" not in err.getvalue()
@@ -98,6 +97,7 @@ def finished(tiny_model_dir, small_train_file, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_a_used_folder_is_refused_changed_args_listed_and_overwrite_starts_over(finished, tiny_model_dir,
                                                                                 small_train_file, tmp_path):
     folder = tmp_path / "used"
@@ -115,6 +115,7 @@ def test_a_used_folder_is_refused_changed_args_listed_and_overwrite_starts_over(
     assert [r["step"] for r in rows] == [1, 2]  # the old run's lines are gone
 
 
+@pytest.mark.slow
 def test_an_unwritable_output_dir_is_one_sentence(tiny_model_dir, small_train_file, tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
@@ -154,6 +155,7 @@ DAMAGES = ["truncated weights", "flipped bit in the weights", "no optimizer.pt",
            "no rng_rank0.pt", "garbage meta.json", "empty meta.json", "meta.json says step 99"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", DAMAGES)
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(finished, tmp_path, how, capsys):
     from retrieval_kit import ckpt
@@ -166,6 +168,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(finished, tmp
     assert f"warning: skipping checkpoint {folder / 'step_000006'}: " in out and said in out, out
 
 
+@pytest.mark.slow
 def test_resuming_past_a_damaged_checkpoint_ends_bitwise_equal(finished, tiny_model_dir, small_train_file, tmp_path):
     folder = tmp_path / "run"
     shutil.copytree(finished, folder)
@@ -181,6 +184,7 @@ def test_resuming_past_a_damaged_checkpoint_ends_bitwise_equal(finished, tiny_mo
     assert [r["loss"] for r in rows] == [json.loads(l)["loss"] for l in open(finished / "metrics.jsonl")]
 
 
+@pytest.mark.slow
 def test_chaos_random_sigkills_then_resume_until_done_is_bitwise_equal(finished, tiny_model_dir, small_train_file,
                                                                        tmp_path):
     """SIGKILL at random moments (model loading, steps, checkpoint writes, export), --resume auto
@@ -211,6 +215,7 @@ def test_chaos_random_sigkills_then_resume_until_done_is_bitwise_equal(finished,
     assert sha(folder / "final" / "model.safetensors") == sha(finished / "final" / "model.safetensors")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE stands in for a full disk")
 def test_a_full_disk_is_one_sentence_and_keeps_the_checkpoints(tiny_model_dir, small_train_file, tmp_path):
     import resource
@@ -227,6 +232,7 @@ def test_a_full_disk_is_one_sentence_and_keeps_the_checkpoints(tiny_model_dir, s
                  "the newest intact checkpoint is none", "--resume auto")
 
 
+@pytest.mark.slow
 def test_a_model_dir_that_does_not_load_is_one_sentence(tmp_path):
     from retrieval_kit.models import load_encoder, load_reranker, load_tokenizer
 

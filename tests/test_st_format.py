@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 
 from retrieval_kit.encode import encode_texts
 from retrieval_kit.evaluate import biencoder_settings
-from retrieval_kit.export import SETTINGS_FILE, export_model, load_settings
+from retrieval_kit.export import export_model
+from retrieval_kit.st_format import SETTINGS_FILE, load_settings
 from retrieval_kit.models import load_encoder
 from retrieval_kit.st_format import read_st_settings
 from tests.conftest import minilm_dir, read_jsonl, run_script
@@ -74,6 +75,7 @@ def st_dir(tiny_model_dir, tmp_path):
     return out
 
 
+@pytest.mark.slow
 def test_training_reads_a_sentence_transformers_dir_and_flags_win(st_dir, small_train_file, tmp_path):
     from sentence_transformers import SentenceTransformer
 

@@ -5,13 +5,15 @@ import os
 import subprocess
 import sys
 
+import pytest
 from safetensors.torch import load_file
 import torch
 from transformers import AutoModel, AutoTokenizer
 
 from retrieval_kit.encode import encode_texts
 from retrieval_kit import ckpt
-from retrieval_kit.export import export_model, load_settings
+from retrieval_kit.export import export_model
+from retrieval_kit.st_format import load_settings
 from retrieval_kit.models import BiEncoder, load_encoder
 from tests.conftest import check_grad_cache_run, read_jsonl, ROOT, run_script
 
@@ -22,6 +24,7 @@ def common_args(model_dir, train_file, out_dir):
             "--batch-size", "8", "--passage-max-length", "48", "--output-dir", str(out_dir)]
 
 
+@pytest.mark.slow
 def test_short_run_loss_falls_and_leaves_a_complete_run_folder(tiny_model_dir, small_train_file, tmp_path):
     out = tmp_path / "run"
     run_script("train_biencoder.py", common_args(tiny_model_dir, small_train_file, out) +
@@ -48,6 +51,7 @@ def test_short_run_loss_falls_and_leaves_a_complete_run_folder(tiny_model_dir, s
     AutoModel.from_pretrained(out / "final")  # loads as a plain HF model
 
 
+@pytest.mark.slow
 def test_two_ranks_under_torchrun(tiny_model_dir, small_train_file, tmp_path):
     out = tmp_path / "run2"
     run_script("train_biencoder.py", common_args(tiny_model_dir, small_train_file, out) +
@@ -63,6 +67,7 @@ def test_two_ranks_under_torchrun(tiny_model_dir, small_train_file, tmp_path):
     AutoModel.from_pretrained(out / "final")
 
 
+@pytest.mark.slow
 def test_bad_data_is_reported_before_training(tiny_model_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"query": "q", "pos_doc": ["p"], "neg_doc": ["n"]}\n{"query": 5, "pos_doc": ["p"]}\n')
@@ -97,6 +102,7 @@ def test_exported_model_reloads_to_the_same_embeddings(tiny_model_dir, tmp_path)
     assert not torch.allclose(before, encode_texts(load_encoder(tiny_model_dir), tok, texts, 32), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_fsdp2_with_checkpointing_and_accumulation_resumes_to_the_same_loss(tiny_model_dir, small_train_file,
                                                                              tmp_path):
     # with --sharded-checkpoints (the FSDP2 resume from model.safetensors: tests/test_ckpt.py, SIGTERM)
@@ -118,6 +124,7 @@ def test_fsdp2_with_checkpointing_and_accumulation_resumes_to_the_same_loss(tiny
     AutoModel.from_pretrained(tmp_path / "b" / "final")
 
 
+@pytest.mark.slow
 def test_grad_cache_run_logs_the_losses_and_grad_norms_of_a_plain_run(tiny_model_dir, small_train_file, tmp_path):
     # the helper's later --val-file and --output-dir override common_args' ones
     check_grad_cache_run("train_biencoder.py", common_args(tiny_model_dir, small_train_file, tmp_path) + ["--lr", "1e-3"],

@@ -8,10 +8,14 @@ from safetensors.torch import load_file
 import torch
 
 from retrieval_kit import ckpt, data
-from retrieval_kit.encode import score_groups
-from retrieval_kit.export import load_exported_reranker, load_settings
+from retrieval_kit.records import read_records
+from retrieval_kit.encode import rerank_groups
+from retrieval_kit.export import load_exported_reranker
+from retrieval_kit.st_format import load_settings
 from retrieval_kit.models import load_reranker
 from tests.conftest import check_grad_cache_run, minilm_dir, read_jsonl, ROOT, run_script, stock_scores
+
+pytestmark = pytest.mark.slow  # every test here runs a script, a kill or a 2-rank launch
 
 TEMPLATE = "Q: {query} | P: {passage}"
 
@@ -70,16 +74,16 @@ def test_real_minilm_reranker_learns_and_scores_the_same_in_stock_loaders(tmp_pa
         "--max-steps", 40, "--warmup-steps", 3, "--batch-size", 8,  # 8 queries x 4 pairs; default lr, pooling
         "--rerank-max-length", 192, "--val-file", "", "--output-dir", out])
     assert "kit-only" not in proc.stdout + proc.stderr
-    val, _ = data.read_records(os.path.join(ROOT, "data", "val.jsonl"), 2)
+    val, _ = read_records(os.path.join(ROOT, "data", "val.jsonl"), 2)
     val = val[:96]
     queries, groups = [r.query for r in val], [data.fixed_group(r, 2) for r in val]
 
     model, tok, settings = load_exported_reranker(str(out / "final"))
     assert settings["rerank_max_length"] == 192 and settings["prompt_template"] == "pair" and settings["portable"]
-    tuned = score_groups(model, tok, queries, groups, settings)
+    tuned = rerank_groups(model, tok, queries, groups, settings)
     torch.manual_seed(42)  # the script's seed: the same fresh head the run started from
     from retrieval_kit.models import CrossEncoder
-    base = score_groups(CrossEncoder(load_reranker(minilm_dir())), tok, queries, groups, settings)
+    base = rerank_groups(CrossEncoder(load_reranker(minilm_dir())), tok, queries, groups, settings)
 
     def summary(s):
         return (s[:, 0] - s[:, 1]).mean().item(), (s[:, 0] > s[:, 1]).float().mean().item()

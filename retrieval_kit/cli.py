@@ -1,0 +1,456 @@
+"""The command line, in one room: every flag of both training scripts (and the model-setting flags
+of the `python -m retrieval_kit.X` tools) with its default and help, what each `auto` default means
+on this run's device, the checks that need several flags at once, and whether a resume may change
+a flag (`neutral=True` beside it: logging, validation, checkpoint cadence, workers and the DDP/FSDP2
+knobs that change how, not what, a run computes).
+
+This is the only module of the kit that reads an argparse Namespace (besides the `main()` of the
+`python -m` tools); everything it hands the library is a plain value.
+
+    p = argparse.ArgumentParser(...)
+    cli.add_data_args(p, ...); ...; cli.add_ckpt_args(p, ...)
+    args = cli.parse(p, argv)                  # parsed + the checks across flags
+    cli.resolve_device_defaults(args, device)  # `auto` -> what it means on this device, kept in args
+"""
+
+import argparse
+import functools
+import os
+
+from . import flags
+from .records import DataSpec
+
+CHUNK_TOKENS = 1024  # --chunk-tokens on CPU: measured faster on the default model and data (docs/benchmarks.md)
+CHUNK_TOKENS_CUDA = 8192  # on CUDA: a guess until the GPU check times 0 / 1024 / 8192 (docs/gpu.md)
+BIENCODER_PROMPT_KEYS = ("query_prefix", "passage_prefix")  # what a --train-mix line may set for its file
+RERANKER_PROMPT_KEYS = ("prompt_template",)
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA_DIR = os.path.join(HERE, "data")  # the bundled sample data (a checkout, or the installed tree)
+
+
+def flag(group, *names, neutral=False, **kw):
+    """group.add_argument(*names, **kw), marked `neutral` when a resume may change the flag."""
+    action = group.add_argument(*names, **kw)
+    action.run_neutral = neutral
+    return action
+
+
+# ----- data --------------------------------------------------------------------------------------
+
+def add_data_args(parser, n_passages, batch_size, unit="passages", prompt_keys=(), data_dir=DATA_DIR):
+    """The data flags both scripts share (each adds its own tokenization flags to the group);
+    `prompt_keys`: the flags a --train-mix line may set for its file (e.g. query_prefix)."""
+    g = parser.add_argument_group("data")
+    which = g.add_mutually_exclusive_group()
+    flag(which, "--train-file", action=flags.Repeatable, default=[os.path.join(data_dir, "train.jsonl")],
+         help="training JSONL, plain or .gz: NeMo inline, FlagEmbedding, sentence-transformers columns or "
+              "Tevatron, told from its first record. Repeat it to train on several files: each "
+              "micro-batch is drawn from one of them (default: the bundled data/train.jsonl)")
+    flag(which, "--train-mix", default=None,
+         help="a JSONL file listing the training files, one per line: {\"file\": path (relative to it), "
+              "\"weight\": share of the micro-batches, \"name\": logged as, and per-file prompts" +
+              (f" ({', '.join(chr(34) + k + chr(34) for k in prompt_keys)})" if prompt_keys else "") +
+              "}; instead of --train-file")
+    flag(g, "--train-weights", type=flags.listed(flags.positive_float), default=None,
+         help="one weight per --train-file: each file's share of the micro-batches (default: in proportion "
+              "to its size, every file once a round)")
+    flag(g, "--corpus", default=None,
+         help="BEIR corpus.jsonl (plain or .gz) that docs given by id refer to (NeMo strings or {\"id\"}, "
+              "Tevatron passages without text); each passage text is then stored once")
+    flag(g, "--fill-negatives", choices=["random"], default=None,
+         help="records with fewer negatives than --n-passages needs: draw the rest from random passages "
+              "(never the record's own; the same draws on resume). Default: an error for records without "
+              "any, sampling with replacement for records with too few")
+    flag(g, "--val-file", default=os.path.join(data_dir, "val.jsonl"), neutral=True,
+         help="held-out JSONL for validation ('' to skip; default: the bundled data/val.jsonl)")
+    flag(g, "--val-max-groups", type=flags.nonneg_int, default=0, neutral=True,
+         help="validate on the first N groups (0 = all; default 0)")
+    flag(g, "--val-n-passages", type=flags.positive_int, default=4, neutral=True,
+         help=f"{unit} per validation group (1 positive + N-1 negatives; default 4)")
+    flag(g, "--n-passages", type=flags.positive_int, default=n_passages,
+         help=f"{unit} per query: 1 positive + N-1 hard negatives (default {n_passages})")
+    flag(g, "--batch-size", type=flags.positive_int, default=batch_size,
+         help=f"queries per rank per micro-batch (default {batch_size})")
+    flag(g, "--pad-to-multiple-of", type=flags.nonneg_int, default=8,
+         help="round padded lengths up to this (0 = off; default 8)")
+    flag(g, "--chunk-tokens", type=flags.nonneg_int, default=None,
+         help="run each batch in length-sorted chunks of at most this many padded tokens, each "
+              "padded only to its own longest row; same loss and grads (0 = off; default "
+              f"{CHUNK_TOKENS} on CPU, measured; {CHUNK_TOKENS_CUDA} on CUDA)")
+    flag(g, "--grad-cache", action="store_true",
+         help="GradCache: compute the batch's outputs without a graph, then recompute chunk by chunk "
+              "(--chunk-tokens) backpropagating the cached output grads; same loss and grads, memory "
+              "flat in batch size")
+    return g
+
+
+def data_spec(args, prompt_keys=()):
+    """The data flags as the plain values records.read_train_val takes."""
+    return DataSpec(train_files=list(args.train_file), train_weights=args.train_weights, train_mix=args.train_mix,
+                    prompt_keys=tuple(prompt_keys), corpus=args.corpus, fill_negatives=args.fill_negatives,
+                    n_passages=args.n_passages, batch_size=args.batch_size, val_file=args.val_file,
+                    val_n_passages=args.val_n_passages, val_max_groups=args.val_max_groups,
+                    need_scores=args.distill_weight > 0)
+
+
+# ----- model settings (bi-encoder) ---------------------------------------------------------------
+
+def add_biencoder_setting_args(g, training=False):
+    """The six flags that override what a model dir declares (its retrieval_kit.json or
+    sentence-transformers files, else avg / normalized / no prefixes / 32 and 128 tokens): the
+    bi-encoder script's and the `python -m retrieval_kit.X` tools'."""
+    what = "the model dir's" if training else "override the model dir's"
+    flag(g, "--query-max-length", type=flags.positive_int, default=None,
+         help=f"tokens per query, truncated beyond (default: {what} max_seq_length, else 32)")
+    flag(g, "--passage-max-length", type=flags.positive_int, default=None,
+         help=f"tokens per passage, truncated beyond (default: {what} max_seq_length, else 128)")
+    flag(g, "--query-prefix", default=None, help='prepended to each query, e.g. "query: " for E5 models '
+         f"(default: {what} 'query' prompt, else none)")
+    flag(g, "--passage-prefix", default=None, help='prepended to each passage, e.g. "passage: " (default: '
+         f"{what} 'document' prompt, else none)")
+    flag(g, "--pooling", choices=("avg", "cls", "last"), default=None,
+         help=f"how token states become one vector (default: {what} sentence-transformers pooling, else avg)")
+    flag(g, "--normalize", action=argparse.BooleanOptionalAction, default=None,
+         help=f"L2-normalize embeddings, so scores are cosine similarities (default: {what} setting, else on)")
+    return g
+
+
+def setting_overrides(args):
+    """{setting: flag value (None = not given)} of the six bi-encoder setting flags."""
+    from .st_format import SETTING_KEYS
+
+    return {k: getattr(args, k) for k in SETTING_KEYS}
+
+
+def add_model_args(g, what=""):
+    flag(g, "--model", type=flags.model_path, default=None,
+         help=f"HF model dir (default: the bundled all-MiniLM-L6-v2){what}")
+    flag(g, "--trust-remote-code", action="store_true", help="allow model code shipped in the model dir")
+
+
+# ----- losses ------------------------------------------------------------------------------------
+
+def add_biencoder_loss_args(g):
+    flag(g, "--temperature", type=flags.positive_float, default=0.05,
+         help="softmax temperature on similarities (default 0.05 = scale 20, the value MiniLM was trained with)")
+    flag(g, "--in-batch-negatives", action=argparse.BooleanOptionalAction, default=True,
+         help="score each query against every passage in the batch, not only its own group (default on)")
+    flag(g, "--gather-negatives", action=argparse.BooleanOptionalAction, default=None,
+         help="use passages from all ranks as negatives (default: on when world > 1)")
+    add_distill_args(g)
+    flag(g, "--mask-duplicates", action=argparse.BooleanOptionalAction, default=True,
+         help="leave a query's own positive out of its negatives wherever the same text appears again in "
+              "the batch (another query's positive or hard negative, gathered ranks included); the count "
+              "is logged as duplicates_masked (default on)")
+    flag(g, "--matryoshka-dims", type=flags.listed(flags.positive_int), default=None,
+         help="Matryoshka embeddings: the loss is the weighted sum of InfoNCE on each of these prefixes of "
+              "the embedding, e.g. 384,256,128,64 (re-normalized when --normalize); --eval-beir reports "
+              "each; the export lists them (default off)")
+    flag(g, "--matryoshka-weights", type=flags.listed(flags.positive_float), default=None,
+         help="one weight per --matryoshka-dims value (default 1 each)")
+
+
+def add_reranker_loss_args(g, losses):
+    flag(g, "--loss", choices=tuple(losses), default="listwise",
+         help="listwise = cross-entropy over each query's group, positive first; bce = pointwise binary "
+              "cross-entropy, positive 1 / negatives 0 (default listwise)")
+    flag(g, "--head-lr-mult", type=flags.positive_float, default=1.0,
+         help="learning rate of the head (classifier, and BERT's pooler) = --lr x this (default 1)")
+    add_distill_args(g)
+
+
+def add_distill_args(g):
+    """The distillation flags both scripts share (in their loss group)."""
+    flag(g, "--distill-weight", type=flags.nonneg_float, default=0.0,
+         help="add this x KL(teacher || student) over each query's group to the loss, from the teacher "
+              "scores in the training data (pos_scores / neg_scores: python -m retrieval_kit.score "
+              "writes them); 0 = off (default)")
+    flag(g, "--teacher-temperature", type=flags.positive_float, default=1.0,
+         help="softmax temperature of the teacher scores (default 1: reranker logits; a bi-encoder "
+              "teacher's cosines want about its training temperature, e.g. 0.05)")
+
+
+# ----- optimization ------------------------------------------------------------------------------
+
+def add_optim_args(parser, lr, max_steps, warmup_steps):
+    """The optimization flags both scripts share (defaults differ per script)."""
+    g = parser.add_argument_group("optimization")
+    flag(g, "--max-steps", type=flags.positive_int, default=max_steps, help=f"optimizer steps (default {max_steps})")
+    flag(g, "--grad-accum-steps", type=flags.positive_int, default=1,
+         help="micro-batches per optimizer step (default 1)")
+    flag(g, "--lr", type=flags.positive_float, default=lr, help=f"peak learning rate (default {lr})")
+    flag(g, "--lr-schedule", choices=("linear", "cosine", "constant"), default="linear",
+         help="decay after warmup (default linear, to 0 at --max-steps)")
+    flag(g, "--warmup-steps", type=flags.nonneg_int, default=warmup_steps,
+         help=f"linear warmup steps (default {warmup_steps})")
+    flag(g, "--weight-decay", type=flags.nonneg_float, default=0.01,
+         help="AdamW weight decay, not on biases and norms (default 0.01)")
+    flag(g, "--adam-beta1", type=flags.beta, default=0.9, help="AdamW beta1 (default 0.9)")
+    flag(g, "--adam-beta2", type=flags.beta, default=0.999, help="AdamW beta2 (default 0.999)")
+    flag(g, "--adam-eps", type=flags.positive_float, default=1e-8, help="AdamW eps (default 1e-8)")
+    flag(g, "--max-grad-norm", type=flags.nonneg_float, default=1.0,
+         help="clip the global grad norm (0 = off; default 1.0)")
+    flag(g, "--max-bad-steps", type=flags.positive_int, default=5, neutral=True,
+         help="a step whose loss or grad norm is not finite is skipped on every rank; stop after "
+              "this many in a row (default 5)")
+    flag(g, "--seed", type=int, default=42, help="data order, negative sampling and init (default 42)")
+    return g
+
+
+# ----- precision ---------------------------------------------------------------------------------
+
+def add_precision_args(parser):
+    """The precision (and attention kernel) flags both scripts share."""
+    g = parser.add_argument_group("precision")
+    flag(g, "--torch-dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+         help="storage dtype of params and AdamW state (default auto = fp32 master weights)")
+    flag(g, "--force-fp32-params", action="store_true",
+         help="params and AdamW moments fp32, whatever the load or checkpoint dtype")
+    flag(g, "--compute-dtype", "--autocast-dtype", dest="compute_dtype",
+         choices=("auto", "none", "bf16", "fp16"), default="auto",
+         help="compute dtype: torch.autocast under DDP, the MixedPrecisionPolicy param dtype under "
+              "FSDP2 (gradients reduced in fp32); none = compute in the storage dtype; default auto = "
+              "bf16 on CUDA devices with bf16, none on CPU (bf16 matmuls there are 10-26x slower)")
+    flag(g, "--tf32", action=argparse.BooleanOptionalAction, default=None,
+         help="CUDA: fp32 matmuls in TF32 (default on CUDA; CPU: off)")
+    flag(g, "--attn-implementation", choices=("auto", "eager", "sdpa", "flash_attention_2", "flex_attention"),
+         default="auto", help="the model's attention kernel (transformers' attn_implementation; default "
+                              "auto = transformers' choice, sdpa where the model has it)")
+    return g
+
+
+# ----- distributed -------------------------------------------------------------------------------
+
+def add_dist_args(parser):
+    """Every DDP and FSDP2 knob, plus activation checkpointing and compile (same flags in both scripts)."""
+    g = parser.add_argument_group("distributed")
+    flag(g, "--device", choices=("auto", "cuda", "cpu"), default="auto",
+         help="auto: CUDA when visible (GPU = LOCAL_RANK %% visible GPUs), else CPU (default auto)")
+    flag(g, "--dist-backend", choices=("auto", "nccl", "gloo"), default="auto", neutral=True,
+         help="process-group backend (default auto: nccl on CUDA, gloo on CPU)")
+    flag(g, "--dist-timeout", type=flags.positive_float, default=30.0, neutral=True,
+         help="minutes a collective or barrier waits before the run fails, e.g. ranks waiting while "
+              "rank 0 writes a large checkpoint (default 30)")
+    flag(g, "--parallel", choices=("ddp", "fsdp2"), default="ddp",
+         help="ddp: replicate params, all-reduce grads; fsdp2: shard params, grads and optimizer "
+              "state with fully_shard on each transformer layer, then the root (default ddp)")
+    flag(g, "--broadcast-buffers", action=argparse.BooleanOptionalAction, default=True, neutral=True,
+         help="DDP: sync buffers from rank 0 at each forward (maps to forward_sync_buffers on torch "
+              ">= 2.13, where broadcast_buffers is deprecated; default on)")
+    flag(g, "--find-unused-parameters", action="store_true", neutral=True,
+         help="DDP: find params that got no grad each step (costs a graph traversal per step)")
+    flag(g, "--static-graph", action="store_true", neutral=True,
+         help="DDP: the graph is the same every step; DDP skips re-discovery and overlaps more")
+    flag(g, "--bucket-cap-mb", type=flags.positive_float, default=25.0, neutral=True,
+         help="DDP: gradient bucket size in MB (default 25)")
+    flag(g, "--gradient-as-bucket-view", action="store_true", neutral=True,
+         help="DDP: grads are views into the all-reduce buckets (saves a copy; enables bucket clipping)")
+    flag(g, "--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True, neutral=True,
+         help="FSDP2: free gathered params after forward and re-gather for backward (default on; "
+              "off trades memory for one all-gather less per layer)")
+    flag(g, "--activation-checkpointing", action="store_true", neutral=True,
+         help="recompute each layer's activations in backward instead of storing them")
+    flag(g, "--compile", action="store_true", help="torch.compile the model before wrapping")
+    return g
+
+
+def wrap_settings(args):
+    """The keyword arguments of dist.wrap that come from flags."""
+    return dict(parallel=args.parallel, activation_checkpointing=args.activation_checkpointing,
+                compile=args.compile, reshard_after_forward=args.reshard_after_forward,
+                broadcast_buffers=args.broadcast_buffers, find_unused_parameters=args.find_unused_parameters,
+                static_graph=args.static_graph, bucket_cap_mb=args.bucket_cap_mb,
+                gradient_as_bucket_view=args.gradient_as_bucket_view)
+
+
+# ----- run: logging, validation, workers ---------------------------------------------------------
+
+def add_run_args(parser, val_batch_size):
+    g = parser.add_argument_group("run")
+    flag(g, "--log-every", type=flags.positive_int, default=1, neutral=True,
+         help="log train scalars every N steps (default 1)")
+    flag(g, "--loss-avg-window", type=flags.positive_int, default=50, neutral=True,
+         help="window of the smoothed loss (default 50)")
+    flag(g, "--val-every", type=flags.positive_int, default=30, neutral=True,
+         help="validate every N steps (and at step 0 and the end; default 30)")
+    flag(g, "--val-batch-size", type=flags.positive_int, default=val_batch_size, neutral=True,
+         help=f"queries per validation batch (default {val_batch_size})")
+    flag(g, "--num-workers", type=flags.nonneg_int, default=None, neutral=True,
+         help="DataLoader worker processes that sample, tokenize, pad and plan the chunks of each "
+              "micro-batch ahead of the model (0 = in the training process; default: 0 on CPU, "
+              "where workers take cores from the model, 2 on CUDA)")
+    return g
+
+
+def add_beir_eval_args(g):
+    flag(g, "--eval-beir", default="", neutral=True,
+         help="BEIR folder for full-corpus retrieval evaluation at each validation (e.g. data/eval; default off: "
+              "encoding a corpus is slow on CPU)")
+    flag(g, "--eval-k", type=flags.positive_int, default=100, neutral=True,
+         help="docs retrieved per query in --eval-beir (default 100)")
+
+
+# ----- checkpoints -------------------------------------------------------------------------------
+
+def add_ckpt_args(parser, output_dir):
+    """Checkpoint and resume flags (both scripts)."""
+    g = parser.add_argument_group("checkpoints")
+    flag(g, "--output-dir", default=output_dir, neutral=True,
+         help=f"run folder: logs, checkpoints, final model (default {output_dir})")
+    flag(g, "--ckpt-every", type=flags.positive_int, default=100, neutral=True,
+         help="checkpoint every N steps, and at the end (default 100)")
+    flag(g, "--keep-last", type=flags.nonneg_int, default=3, neutral=True,
+         help="keep the newest K complete checkpoints (0 = all; default 3)")
+    flag(g, "--resume", default="none", neutral=True,
+         help="none | auto (the newest checkpoint in --output-dir that verifies, or start fresh) | PATH to a "
+              "step_* folder (default none)")
+    flag(g, "--overwrite-output-dir", action="store_true", neutral=True,
+         help="start over in an --output-dir that already holds a run: delete its checkpoints, final/ and logs")
+    flag(g, "--sharded-checkpoints", action="store_true", neutral=True,
+         help="FSDP2: every rank writes its own model shards (DCP, model_dcp/) at each checkpoint, instead "
+              "of rank 0 gathering the full model into one model.safetensors; the export stays one "
+              "safetensors dir. Resumes on any rank count with --parallel fsdp2")
+    flag(g, "--allow-changed-args", action="store_true", neutral=True,
+         help="resume although run-defining flags (data, model, batch, lr, schedule, seed, lengths, "
+              "precision...) differ from the checkpoint's; each difference is printed")
+    return g
+
+
+def resume_request(args):
+    """The checkpoint flags ckpt.start_run takes."""
+    return dict(run_dir=args.output_dir, resume=args.resume, overwrite=args.overwrite_output_dir,
+                allow_changed=args.allow_changed_args)
+
+
+# ----- the parsers, and what is decided from several flags ---------------------------------------
+
+def biencoder_parser(description=None):
+    """Every flag of train_biencoder.py."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_data_args(p, n_passages=2, batch_size=16, prompt_keys=BIENCODER_PROMPT_KEYS)
+    g = p.add_argument_group("model")
+    add_model_args(g, "")
+    add_biencoder_setting_args(g, training=True)
+    add_biencoder_loss_args(p.add_argument_group("loss"))
+    add_optim_args(p, lr=5e-5, max_steps=60, warmup_steps=6)
+    add_precision_args(p)
+    add_dist_args(p)
+    add_beir_eval_args(add_run_args(p, val_batch_size=32))
+    add_ckpt_args(p, output_dir="runs/biencoder")
+    return p
+
+
+def reranker_parser(description=None):
+    """Every flag of train_reranker.py."""
+    from .collate import DEFAULT_TEMPLATE
+    from .losses import RERANK_LOSSES
+
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = add_data_args(p, n_passages=4, batch_size=4, unit="pairs", prompt_keys=RERANKER_PROMPT_KEYS)
+    flag(g, "--prompt-template", default="auto",
+         help="how a pair becomes tokens: 'pair' = the tokenizer's own pair encoding ([CLS] q [SEP] p [SEP] "
+              "with token type ids), or a template holding {query} and {passage}; auto = 'pair' for "
+              f"encoders, {DEFAULT_TEMPLATE!r} for decoders (default auto)")
+    flag(g, "--rerank-max-length", type=flags.positive_int, default=512,
+         help="tokens per pair; the passage is truncated first, the query kept (default 512)")
+    flag(g, "--append-eos", action="store_true",
+         help="append the EOS token to each pair (decoders, last-token pooling)")
+    flag(g, "--padding-side", choices=("auto", "left", "right"), default="auto",
+         help="pad side for pairs (default auto = the tokenizer's own)")
+    g = p.add_argument_group("model")
+    add_model_args(g, "")
+    flag(g, "--pooling", choices=("native", "last", "avg", "cls"), default="native",
+         help="native = the model's own classification head (BERT: pooler -> classifier; decoders: last "
+              "non-pad token), what transformers and sentence-transformers run; last/avg/cls pool hidden "
+              "states by the attention mask, then the linear head (kit-only; default native)")
+    flag(g, "--bidirectional", action="store_true", help="drop a decoder's causal mask (attend both ways)")
+    add_reranker_loss_args(p.add_argument_group("loss"), RERANK_LOSSES)
+    add_optim_args(p, lr=2e-4, max_steps=60, warmup_steps=6)
+    add_precision_args(p)
+    add_dist_args(p)
+    add_run_args(p, val_batch_size=16)
+    add_ckpt_args(p, output_dir="runs/reranker")
+    return p
+
+
+def neutral_flags(parser):
+    """The dests of `parser`'s flags a resume may change."""
+    return {a.dest for a in parser._actions if getattr(a, "run_neutral", False)}
+
+
+@functools.lru_cache(maxsize=None)
+def run_neutral():
+    """The dests a resume may change, over both scripts' flags (ckpt.changed_args skips them)."""
+    return frozenset(neutral_flags(biencoder_parser()) | neutral_flags(reranker_parser()))
+
+
+def parse(parser, argv=None):
+    """Parse, then check what no single flag's type can: one sentence naming the flags, exit 1."""
+    args = parser.parse_args(argv)
+    if getattr(args, "train_mix", None):
+        if args.train_weights:
+            raise SystemExit("--train-weights: not with --train-mix (each of its lines carries its weight)")
+        args.train_file = []  # not the flag's default: the run header says what was read (train_mixture)
+    elif args.train_weights and len(args.train_weights) != len(args.train_file):
+        raise SystemExit(f"--train-weights: {len(args.train_weights)} weight(s) for {len(args.train_file)} "
+                         "--train-file(s): give one per file, in the same order")
+    if args.grad_cache and args.static_graph:
+        raise SystemExit("--grad-cache runs several forward/backward passes per step, which DDP's --static-graph "
+                         "does not allow; drop one of them")
+    return args
+
+
+def resolve_device_defaults(args, device):
+    """Fill in, for this run's device, the flags left at their `auto` default, in `args` (so the run
+    header and the checkpoint's args hold what ran), and set the fp32 matmul precision:
+    - --compute-dtype auto: bf16 on a CUDA device that has it (fp32 master weights stay), else none;
+    - --tf32 (default on CUDA): fp32 matmuls and convolutions in TF32 on CUDA; CPU never changes;
+    - --chunk-tokens: CHUNK_TOKENS on CPU, CHUNK_TOKENS_CUDA on CUDA;
+    - --num-workers: 0 on CPU (workers take cores from the model), 2 on CUDA."""
+    from .precision import cuda_bf16, set_tf32
+
+    cuda = device.type == "cuda"
+    if args.compute_dtype == "auto":
+        args.compute_dtype = "bf16" if cuda and cuda_bf16() else "none"
+    if args.tf32 is None:
+        args.tf32 = cuda
+    if args.tf32 and not cuda:
+        raise SystemExit("--tf32 is for CUDA devices; this run is on the CPU")
+    set_tf32(args.tf32, device)
+    if args.chunk_tokens is None:
+        args.chunk_tokens = CHUNK_TOKENS_CUDA if cuda else CHUNK_TOKENS
+    if args.num_workers is None:
+        args.num_workers = 2 if cuda else 0
+    return args
+
+
+# ----- docs/flags.md -----------------------------------------------------------------------------
+
+def flags_markdown():
+    """docs/flags.md: every flag of both scripts, from the parsers themselves (tests/test_readme.py
+    checks the file is current: `python -m retrieval_kit.cli > docs/flags.md` rewrites it)."""
+    out = ["# Flags", "", "[← README](../README.md#docs)", "",
+           "Generated from the parsers (`python -m retrieval_kit.cli > docs/flags.md`; a test checks it is "
+           "current). A flag marked *resume: free* may change when a run is resumed; changing any other "
+           "is refused unless `--allow-changed-args` (docs/checkpoints.md).", ""]
+    for script, parser in (("train_biencoder.py", biencoder_parser()), ("train_reranker.py", reranker_parser())):
+        out += [f"## {script}", ""]
+        for group in parser._action_groups:
+            actions = [a for a in group._group_actions if a.option_strings and a.dest != "help"]
+            if not actions:
+                continue
+            out += [f"### {group.title}", "", "| flag | default | what |", "|---|---|---|"]
+            for a in actions:
+                names = ", ".join(f"`{o}`" for o in a.option_strings)
+                choices = f" {{{','.join(map(str, a.choices))}}}" if a.choices else ""
+                default = "" if a.default is None or a.default is False or a.default == "" else f"`{a.default}`"
+                default = default.replace(DATA_DIR, "data")
+                text = (a.help or "").replace("%%", "%").replace("|", "\\|").replace(DATA_DIR, "data")
+                neutral = " *resume: free*" if getattr(a, "run_neutral", False) else ""
+                out.append(f"| {names}{choices} | {default} | {text}{neutral} |")
+            out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    print(flags_markdown(), end="")

@@ -1,0 +1,137 @@
+"""The house rules the layout promises (README, Layout), checked on the source itself: the library
+takes values (only cli.py and the `main()` of the `python -m` tools read an argparse Namespace), no
+test or bench imports a training script, no import cycle among the kit's modules (imports inside
+functions counted), no private name imported across modules, one set of rank helpers (dist), and
+each script's main() short enough to read top to bottom."""
+
+import ast
+import os
+
+import pytest
+
+from tests.conftest import ROOT
+
+KIT = os.path.join(ROOT, "retrieval_kit")
+MODULES = sorted(f[:-3] for f in os.listdir(KIT) if f.endswith(".py"))
+
+
+def tree(path):
+    with open(path) as f:
+        return ast.parse(f.read(), path)
+
+
+def kit_imports(module):
+    """(imported kit module, imported names) for every import in `module`, at any depth."""
+    out = []
+    for node in ast.walk(tree(os.path.join(KIT, module + ".py"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1 and node.module:  # from .x import a, b
+                out.append((node.module.split(".")[0], [a.name for a in node.names]))
+            elif node.level == 1:  # from . import x, y
+                out += [(a.name, []) for a in node.names]
+            elif node.module and node.module.startswith("retrieval_kit."):
+                out.append((node.module.split(".")[1], [a.name for a in node.names]))
+            elif node.module == "retrieval_kit":
+                out += [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(a.name.split(".")[1], []) for a in node.names if a.name.startswith("retrieval_kit.")]
+    return out
+
+
+def find_cycle(graph):
+    """One import cycle of `graph` ({module: {modules}}) as a list, or None."""
+    state = {}
+
+    def visit(m, path):
+        state[m] = "open"
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == "open":
+                return path[path.index(n):] + [n]
+            if n not in state:
+                found = visit(n, path + [n])
+                if found:
+                    return found
+        state[m] = "done"
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = visit(m, [m])
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle_among_the_kits_modules():
+    graph = {m: {n for n, _ in kit_imports(m) if n in MODULES and n != m} for m in MODULES}
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check can fail
+
+
+def test_no_private_name_is_imported_across_modules():
+    bad = [(m, n, name) for m in MODULES for n, names in kit_imports(m) for name in names if name.startswith("_")]
+    assert not bad, bad
+
+
+def namespace_reads(path):
+    """Lines where `args.X` or `vars(args)` is read outside a function named main."""
+    out = []
+
+    def walk(node, in_main):
+        for child in ast.iter_child_nodes(node):
+            inside = in_main or (isinstance(child, ast.FunctionDef) and child.name == "main")
+            if isinstance(child, ast.Attribute) and isinstance(child.value, ast.Name) and child.value.id == "args" \
+                    and not inside:
+                out.append(child.lineno)
+            if isinstance(child, ast.Call) and getattr(child.func, "id", None) == "vars" and not inside:
+                out.append(child.lineno)
+            walk(child, inside)
+
+    walk(tree(path), False)
+    return out
+
+
+def test_only_cli_and_the_entry_points_main_read_the_namespace():
+    bad = {m: namespace_reads(os.path.join(KIT, m + ".py")) for m in MODULES if m != "cli"}
+    assert not {m: lines for m, lines in bad.items() if lines}, bad
+
+
+def test_no_test_or_bench_imports_a_training_script():
+    bad = []
+    for folder in ("tests", "bench"):
+        for name in os.listdir(os.path.join(ROOT, folder)):
+            if name.endswith(".py"):
+                for node in ast.walk(tree(os.path.join(ROOT, folder, name))):
+                    mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                        [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                    bad += [f"{folder}/{name}:{node.lineno}" for m in mods if m.startswith(("train_biencoder",
+                                                                                           "train_reranker"))]
+                    if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(("import_module", "runpy.run_path",
+                                                                                        "runpy.run_module")):
+                        bad.append(f"{folder}/{name}:{node.lineno}: {ast.unparse(node)[:60]}")
+    assert not bad, bad
+
+
+def test_rank_and_world_size_are_read_in_dist_only():
+    """One set of rank helpers: dist.rank / world_size / is_main / barrier; no other module asks
+    torch.distributed for its rank, world size or a barrier itself."""
+    bad = []
+    for m in MODULES:
+        if m == "dist":
+            continue
+        nodes = list(ast.walk(tree(os.path.join(KIT, m + ".py"))))
+        aliases = {"torch.distributed"} | {a.asname or a.name for n in nodes if isinstance(n, ast.Import)
+                                           for a in n.names if a.name == "torch.distributed"}
+        aliases |= {a.asname or a.name for n in nodes if isinstance(n, ast.ImportFrom) and n.module == "torch"
+                    for a in n.names if a.name == "distributed"}
+        for node in nodes:
+            if isinstance(node, ast.Attribute) and node.attr in ("get_rank", "get_world_size", "barrier") \
+                    and ast.unparse(node.value) in aliases:
+                bad.append(f"{m}:{node.lineno} {ast.unparse(node)}")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("script", ["train_biencoder.py", "train_reranker.py"])
+def test_each_scripts_main_reads_top_to_bottom_in_120_lines(script):
+    main = next(n for n in tree(os.path.join(ROOT, script)).body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    assert main.end_lineno - main.lineno + 1 <= 120
