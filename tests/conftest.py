@@ -10,6 +10,8 @@ from transformers import AutoTokenizer, BertConfig, BertModel
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tests import warm  # noqa: E402
+
 
 def minilm_dir():
     try:
@@ -67,17 +69,31 @@ def small_train_file(tmp_path_factory):
 
 def run_script(script, args, nproc=1, timeout=600, env=None):
     """Run a training script as a user would: `python script` or `torchrun --nproc_per_node=N script`
-    (`env`: extra environment variables)."""
+    (`env`: extra environment variables). One process runs forked from a warm server (tests/warm.py:
+    the same program without paying the imports again) unless `env` changes an import-time setting."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT, **(env or {}))
     path = os.path.join(ROOT, script)
-    if nproc == 1:
-        cmd = [sys.executable, path]
+    if nproc == 1 and warm.can_run(env):
+        out = warm.run("file", path, [str(a) for a in args], env, ROOT, timeout)
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", path]
-    out = subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=timeout)
+        cmd = [sys.executable, path] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                         f"--nproc_per_node={nproc}", path]
+        out = subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return out
+
+
+def python_run(argv, env=None, cwd=ROOT, timeout=300):
+    """`python argv...` (a script path, or "-m" and a module, first) as subprocess.run(...,
+    capture_output=True, text=True) returns it, whatever its status; warm (tests/warm.py) unless
+    `env` changes an import-time setting."""
+    argv = [str(a) for a in argv]
+    env = dict(os.environ, PYTHONPATH=ROOT) if env is None else env
+    if warm.can_run(env):
+        kind, target, rest = ("module", argv[1], argv[2:]) if argv[0] == "-m" else ("file", argv[0], argv[1:])
+        return warm.run(kind, target, rest, env, str(cwd), timeout)
+    return subprocess.run([sys.executable] + argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def read_jsonl(path):
@@ -172,11 +188,15 @@ def small_beir(tmp_path_factory):
 
 
 def run_module(args, nproc=1):
+    """`python -m retrieval_kit.X ...` (args[0] is "-m"), warm for one process (run_script), or under torchrun."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    f"--nproc_per_node={nproc}"]
-    out = subprocess.run(launcher + [str(a) for a in args], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
+    args = [str(a) for a in args]
+    if nproc == 1 and args[0] == "-m":
+        out = warm.run("module", args[1], args[2:], env, ROOT, 300)
+    else:
+        launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                        f"--nproc_per_node={nproc}"]
+        out = subprocess.run(launcher + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     return out
 

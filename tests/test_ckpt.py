@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from retrieval_kit import ckpt
-from tests.conftest import ROOT, read_jsonl, run_script
+from tests.conftest import python_run, read_jsonl, ROOT, run_script
 
 pytestmark = pytest.mark.slow  # every test here runs a script, a kill or a 2-rank launch
 
@@ -200,9 +200,8 @@ def test_tampered_pickle_is_refused_not_executed(bi_ref, tiny_model_dir, small_t
     env = dict(os.environ, PYTHONPATH=ROOT)
 
     def resume():
-        return subprocess.run([sys.executable, os.path.join(ROOT, "train_biencoder.py")] + [
-            str(a) for a in bi_args(tiny_model_dir, small_train_file, tmp_path / "r", "--max-steps", 4, "--resume",
-                                    ckpt_dir)], env=env, capture_output=True, text=True, timeout=300)
+        return python_run([os.path.join(ROOT, "train_biencoder.py")] + bi_args(
+            tiny_model_dir, small_train_file, tmp_path / "r", "--max-steps", 4, "--resume", ckpt_dir), env=env)
     out = resume()  # first wall: the file no longer matches the checksum meta.json recorded
     assert out.returncode != 0 and f"{ckpt_dir / 'optimizer.pt'}: damaged" in out.stderr
     meta = json.loads((ckpt_dir / "meta.json").read_text())  # an attacker who rewrites the sums too
@@ -216,10 +215,9 @@ def test_tampered_pickle_is_refused_not_executed(bi_ref, tiny_model_dir, small_t
 
 def test_non_finite_steps_are_skipped_and_never_saved(tiny_model_dir, small_train_file, tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "train_biencoder.py")] + [
-        str(a) for a in bi_args(tiny_model_dir, small_train_file, tmp_path, "--max-steps", 20, "--lr", 1e10,
-                                "--ckpt-every", 1, "--keep-last", 0, "--max-bad-steps", 3)],
-        env=env, capture_output=True, text=True, timeout=300)
+    out = python_run([os.path.join(ROOT, "train_biencoder.py")] + bi_args(
+        tiny_model_dir, small_train_file, tmp_path, "--max-steps", 20, "--lr", 1e10, "--ckpt-every", 1,
+        "--keep-last", 0, "--max-bad-steps", 3), env=env)
     assert out.returncode != 0 and "3 steps in a row with a non-finite loss" in out.stderr
     rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["split"] == "train"]
     assert rows[-1]["skipped_steps"] == 2 and rows[-1]["loss"] is None  # NaN logged (as null: valid JSON), skipped

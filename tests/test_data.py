@@ -7,7 +7,7 @@ import pytest
 from retrieval_kit import data
 from retrieval_kit.formats import DataError
 from retrieval_kit.records import Record, read_records
-from tests.conftest import ROOT
+from tests.conftest import python_run, ROOT
 
 
 def write(tmp_path, lines, name="d.jsonl"):
@@ -175,13 +175,9 @@ def test_gzipped_beir_folder(tmp_path):
                                    ["-m", "retrieval_kit.mine", "--out", "unused.jsonl", "--input"]])
 @pytest.mark.slow
 def test_a_bad_file_is_one_message_not_a_traceback(tmp_path, entry):
-    import subprocess
-    import sys
-
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b"\xff" + _first_lines(1)[0] + b"{nope\n")
-    cmd = [sys.executable] + ([os.path.join(ROOT, entry[0])] + entry[1:] if entry[0] != "-m" else entry) + [str(bad)]
-    out = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True,
-                         timeout=300)
+    cmd = ([os.path.join(ROOT, entry[0])] + entry[1:] if entry[0] != "-m" else entry) + [str(bad)]
+    out = python_run(cmd, cwd=tmp_path)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert f"{bad}:1: not UTF-8 text" in out.stderr and f"{bad}:2: invalid JSON" in out.stderr

@@ -20,7 +20,7 @@ from retrieval_kit.chunking import chunk_batch
 from retrieval_kit.collate import collate_biencoder
 from retrieval_kit.losses import contrastive_scores, distill_kl
 from retrieval_kit.models import BiEncoder, load_encoder
-from tests.conftest import ROOT, read_jsonl, run_script
+from tests.conftest import python_run, read_jsonl, ROOT, run_script
 from tests.test_chunking import GROUPS, QUERIES
 
 
@@ -201,9 +201,8 @@ def test_distilled_run_on_two_ranks_logs_the_losses_of_one_process(scored, no_dr
 
 @pytest.mark.slow
 def test_distill_weight_without_teacher_scores_is_one_sentence(tiny_model_dir, small_train_file, tmp_path):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "train_biencoder.py"), "--model", tiny_model_dir,
-                          "--train-file", small_train_file, "--distill-weight", "1", "--output-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    out = python_run([os.path.join(ROOT, "train_biencoder.py"), "--model", tiny_model_dir, "--train-file",
+                      small_train_file, "--distill-weight", "1", "--output-dir", tmp_path], timeout=120)
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert "has no teacher scores" in out.stderr and "retrieval_kit.score" in out.stderr
 

@@ -1,15 +1,13 @@
 """Retrieval metrics against hand-computed values, chunked search, the evaluate and mine entry points."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from retrieval_kit.export import export_model
 from retrieval_kit.models import load_reranker
-from tests.conftest import ROOT, run_module
+from tests.conftest import python_run, run_module
 
 
 
@@ -55,6 +53,5 @@ def test_fuse_scores_standardises_each_stage():
 ])
 @pytest.mark.slow
 def test_evaluate_bad_flags_are_one_message(args, message):
-    out = subprocess.run([sys.executable, "-m", "retrieval_kit.evaluate", "--beir", "data/ood", *args], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = python_run(["-m", "retrieval_kit.evaluate", "--beir", "data/ood", *args], timeout=120)
     assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr

@@ -6,8 +6,6 @@ import functools
 import math
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ from retrieval_kit.chunking import chunk_batch
 from retrieval_kit.collate import collate_biencoder
 from retrieval_kit.losses import matryoshka_loss
 from retrieval_kit.models import BiEncoder, load_encoder
-from tests.conftest import ROOT
+from tests.conftest import python_run, ROOT
 from tests.test_chunking import GROUPS, QUERIES
 
 
@@ -125,7 +123,6 @@ def test_matryoshka_flag_mistakes_are_one_sentence(tiny_model_dir, small_train_f
             matryoshka_plan(dims, weights, 32)
     assert matryoshka_plan([32, 8], None, 32) == ([32, 8], [1.0, 1.0])
     # end to end: a message and a non-zero exit, no traceback (the size check runs once the model is loaded)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "train_biencoder.py"), "--model", tiny_model_dir,
-                          "--train-file", small_train_file, "--output-dir", str(tmp_path), "--matryoshka-dims", "64"],
-                         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    out = python_run([os.path.join(ROOT, "train_biencoder.py"), "--model", tiny_model_dir, "--train-file",
+                      small_train_file, "--output-dir", tmp_path, "--matryoshka-dims", "64"], timeout=120)
     assert out.returncode != 0 and "Traceback" not in out.stderr and "exceed the model's embedding size" in out.stderr

@@ -5,8 +5,6 @@ import functools
 import json
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 
@@ -14,7 +12,7 @@ from retrieval_kit import cli, data
 from retrieval_kit.records import Record, read_mix, read_train_val
 from retrieval_kit.data import StepBatches, TrainFile
 from retrieval_kit.formats import DataError
-from tests.conftest import ROOT, read_jsonl, run_script
+from tests.conftest import python_run, read_jsonl, ROOT, run_script
 
 
 def records(tag, n, negs=3):
@@ -121,8 +119,7 @@ def test_bad_mix_lines_are_each_named_by_file_and_line(tmp_path):
 
 def run_cli(script, args):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, os.path.join(ROOT, script)] + [str(a) for a in args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return python_run([os.path.join(ROOT, script)] + list(args), env=env)
 
 
 @pytest.mark.slow

