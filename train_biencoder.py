@@ -14,7 +14,7 @@ import os
 
 from retrieval_kit import ckpt, cli, data, dist, evaluate, log, loop, optim, precision, records
 from retrieval_kit.collate import biencoder_inputs
-from retrieval_kit.export import export_model
+from retrieval_kit.export import export_model, model_card
 from retrieval_kit.formats import exit_on_data_error
 from retrieval_kit.losses import biencoder_loss, contrastive_loss, matryoshka, matryoshka_plan
 from retrieval_kit.metrics import WindowedAverage
@@ -113,14 +113,12 @@ def main():
             if val_records:
                 metrics = loop.validate_groups(eval_model, val_records, args.val_n_passages, args.val_batch_size,
                                                ctx, val_score)
-                logger.log(step, metrics, prefix="val")
-                logger.write(f"step {step}: val " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+                logger.log_eval(step, metrics)
             if beir:  # beir/*, and beir_dim{d}/* for each Matryoshka size
                 for prefix, metrics in evaluate.beir_metrics(eval_model, tokenizer, settings, beir, args.eval_k,
-                                                             args.val_batch_size, ctx.device, dims[0]).items():
-                    logger.log(step, metrics, prefix=prefix)
-                    logger.write(f"step {step}: {args.eval_beir} {prefix} "
-                                 + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+                                                             args.val_batch_size, ctx.device, dims[0],
+                                                             ctx.is_main).items():
+                    logger.log_eval(step, metrics, prefix, f"{args.eval_beir} {prefix}")
         if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping):
             ckpt.save_checkpoint(args.output_dir, step, encoder, optimizer, scheduler,
                                  state.state_dict(dataset.steps_per_epoch, args.grad_accum_steps), vars(args),
@@ -141,8 +139,12 @@ def main():
         return loop.stop_early(logger, stop, state.step, args.output_dir)
 
     # ----- export --------------------------------------------------------------------------------
+    loss = {"InfoNCE temperature": args.temperature, "in-batch negatives": args.in_batch_negatives, "gathered": gather,
+            "duplicates masked": args.mask_duplicates, "Matryoshka dims": dims[0], "distill weight": args.distill_weight}
     final = export_model(os.path.join(args.output_dir, "final"), encoder, tokenizer,
-                         {"kind": "biencoder", **settings, "temperature": args.temperature, "matryoshka_dims": dims[0]})
+                         {"kind": "biencoder", **settings, "temperature": args.temperature, "matryoshka_dims": dims[0],
+                          "train_files": args.train_mixture},  # each file's own prompts among them
+                         card=model_card("biencoder", model_dir, args.train_mixture, state.step, loss, logger.last))
     loop.end_run(logger, f"exported the bi-encoder to {final}")
 
 

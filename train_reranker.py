@@ -19,7 +19,7 @@ import torch
 
 from retrieval_kit import ckpt, cli, data, dist, log, loop, optim, precision, records
 from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, pair_layout, rerank_inputs
-from retrieval_kit.export import export_reranker, kit_only_reasons
+from retrieval_kit.export import export_reranker, kit_only_reasons, model_card
 from retrieval_kit.formats import exit_on_data_error
 from retrieval_kit.losses import RERANK_LOSSES, reranker_loss
 from retrieval_kit.metrics import WindowedAverage
@@ -157,8 +157,7 @@ def main():
         if val_records and not state.stopping and loop.eval_due(step, start_step, args.val_every, last_step):
             metrics = loop.validate_groups(eval_model, val_records, args.val_n_passages, args.val_batch_size, ctx,
                                            val_score)
-            logger.log(step, metrics, prefix="val")
-            logger.write(f"step {step}: val " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            logger.log_eval(step, metrics)
         if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping):
             ckpt.save_checkpoint(args.output_dir, step, net, optimizer, scheduler,
                                  {**state.state_dict(dataset.steps_per_epoch, args.grad_accum_steps),
@@ -180,8 +179,10 @@ def main():
 
     # ----- export --------------------------------------------------------------------------------
     final = os.path.join(args.output_dir, "final")
+    loss = {args.loss: f"{args.n_passages} pairs per query", "distill weight": args.distill_weight}
     export_reranker(final, net, tokenizer, {"kind": "reranker", "pooling": args.pooling, "bidirectional": args.bidirectional,
-                                            "loss": args.loss, **tok_settings}, args.trust_remote_code)
+                                            "loss": args.loss, **tok_settings}, args.trust_remote_code,
+                    card=model_card("reranker", model_dir, args.train_mixture, state.step, loss, logger.last))
     loop.end_run(logger, f"exported the reranker to {final}")
 
 

@@ -7,10 +7,12 @@ knobs that change how, not what, a run computes).
 This is the only module of the kit that reads an argparse Namespace (besides the `main()` of the
 `python -m` tools); everything it hands the library is a plain value.
 
-    p = argparse.ArgumentParser(...)
-    cli.add_data_args(p, ...); ...; cli.add_ckpt_args(p, ...)
-    args = cli.parse(p, argv)                  # parsed + the checks across flags
+    args = cli.parse(cli.biencoder_parser(__doc__), argv)  # every flag, then the checks across flags
     cli.resolve_device_defaults(args, device)  # `auto` -> what it means on this device, kept in args
+    cli.data_spec(args), cli.wrap_settings(args), cli.resume_request(args)  # plain values for the library
+
+A flag a forked script adds to its parser is run-defining: a resume that changes it is refused,
+unless the script adds its name to the `neutral` set it passes to ckpt.start_run.
 """
 
 import argparse
@@ -26,6 +28,50 @@ BIENCODER_PROMPT_KEYS = ("query_prefix", "passage_prefix")  # what a --train-mix
 RERANKER_PROMPT_KEYS = ("prompt_template",)
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA_DIR = os.path.join(HERE, "data")  # the bundled sample data (a checkout, or the installed tree)
+
+
+# Flag names users type from habit (Hugging Face TrainingArguments, sentence-transformers, FlagEmbedding,
+# Tevatron) -> what the kit calls it; names that differ only by "_" for "-" are found without a list.
+HABITS = {"learning_rate": "--lr", "per_device_train_batch_size": "--batch-size",
+          "per_device_eval_batch_size": "--val-batch-size", "num_train_epochs": "--max-steps (the kit counts steps)",
+          "warmup_ratio": "--warmup-steps (the kit counts steps)", "gradient_accumulation_steps": "--grad-accum-steps",
+          "logging_steps": "--log-every", "eval_steps": "--val-every", "save_steps": "--ckpt-every",
+          "save_total_limit": "--keep-last", "bf16": "--compute-dtype bf16", "fp16": "--compute-dtype fp16",
+          "gradient_checkpointing": "--activation-checkpointing", "model_name_or_path": "--model",
+          "train_data": "--train-file", "dataset_name": "--train-file", "lr_scheduler_type": "--lr-schedule",
+          "dataloader_num_workers": "--num-workers", "resume_from_checkpoint": "--resume",
+          "query_max_len": "--query-max-length", "passage_max_len": "--passage-max-length",
+          "train_group_size": "--n-passages", "eval_strategy": "--val-every", "save_strategy": "--ckpt-every",
+          "ddp_find_unused_parameters": "--find-unused-parameters", "torch_compile": "--compile",
+          "max_seq_length": "--passage-max-length / --query-max-length / --rerank-max-length"}
+
+
+class KitParser(argparse.ArgumentParser):
+    """argparse that answers an unknown flag with the kit's name for it: the same name with "-" for
+    "_", the kit's equivalent of a common Hugging Face / sentence-transformers name, or the nearest."""
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments:"):
+            hints = [h for h in map(self.hint, message.split(":", 1)[1].split()) if h]
+            if hints:
+                message += "\n" + "\n".join(hints)
+        # one message, not the 60-line usage block first
+        self.exit(2, f"{self.prog}: error: {message}\n(--help lists every flag; docs/flags.md)\n")
+
+    def hint(self, token):
+        import difflib
+
+        if not token.startswith("--"):
+            return None
+        name = token[2:].split("=")[0]
+        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        dashed = "--" + name.replace("_", "-")
+        if dashed in known:
+            return f"  {token}: the kit's flag is {dashed}"
+        if name in HABITS:
+            return f"  {token}: the kit's flag is {HABITS[name]}"
+        near = difflib.get_close_matches(dashed, known, n=1, cutoff=0.75)
+        return f"  {token}: did you mean {near[0]}?" if near else None
 
 
 def flag(group, *names, neutral=False, **kw):
@@ -122,9 +168,9 @@ def setting_overrides(args):
     return {k: getattr(args, k) for k in SETTING_KEYS}
 
 
-def add_model_args(g, what=""):
+def add_model_args(g):
     flag(g, "--model", type=flags.model_path, default=None,
-         help=f"HF model dir (default: the bundled all-MiniLM-L6-v2){what}")
+         help="HF model dir (default: the bundled all-MiniLM-L6-v2)")
     flag(g, "--trust-remote-code", action="store_true", help="allow model code shipped in the model dir")
 
 
@@ -326,10 +372,10 @@ def resume_request(args):
 
 def biencoder_parser(description=None):
     """Every flag of train_biencoder.py."""
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = KitParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_data_args(p, n_passages=2, batch_size=16, prompt_keys=BIENCODER_PROMPT_KEYS)
     g = p.add_argument_group("model")
-    add_model_args(g, "")
+    add_model_args(g)
     add_biencoder_setting_args(g, training=True)
     add_biencoder_loss_args(p.add_argument_group("loss"))
     add_optim_args(p, lr=5e-5, max_steps=60, warmup_steps=6)
@@ -345,7 +391,7 @@ def reranker_parser(description=None):
     from .collate import DEFAULT_TEMPLATE
     from .losses import RERANK_LOSSES
 
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = KitParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = add_data_args(p, n_passages=4, batch_size=4, unit="pairs", prompt_keys=RERANKER_PROMPT_KEYS)
     flag(g, "--prompt-template", default="auto",
          help="how a pair becomes tokens: 'pair' = the tokenizer's own pair encoding ([CLS] q [SEP] p [SEP] "
@@ -358,7 +404,7 @@ def reranker_parser(description=None):
     flag(g, "--padding-side", choices=("auto", "left", "right"), default="auto",
          help="pad side for pairs (default auto = the tokenizer's own)")
     g = p.add_argument_group("model")
-    add_model_args(g, "")
+    add_model_args(g)
     flag(g, "--pooling", choices=("native", "last", "avg", "cls"), default="native",
          help="native = the model's own classification head (BERT: pooler -> classifier; decoders: last "
               "non-pad token), what transformers and sentence-transformers run; last/avg/cls pool hidden "

@@ -11,8 +11,9 @@ import torch
 from .chunking import chunk_batch
 
 def tokenize(tokenizer, texts, max_length, prefix="", pad_to_multiple_of=None):
-    """Tokenize `texts` (with an optional prefix such as "query: ") to a padded batch of tensors."""
-    texts = [prefix + t for t in texts] if prefix else list(texts)
+    """Tokenize `texts` (with an optional prefix such as "query: ", left off a text that carries its
+    own prompt: textstore.PromptedQuery) to a padded batch of tensors."""
+    texts = [t if getattr(t, "prompted", False) else prefix + t for t in texts] if prefix else list(texts)
     return tokenizer(
         texts,
         max_length=max_length,

@@ -35,10 +35,10 @@ PROBES = [("how do i list files", "ls lists directory contents " * 200), ("q", "
           ("a fast compressor for data", "zstd is a fast lossless compression algorithm")]
 
 
-def export_model(out_dir, model, tokenizer, settings, publish=True):
+def export_model(out_dir, model, tokenizer, settings, publish=True, card=None):
     """export_model_ (below); a failed write (a full disk) ends the run with one sentence."""
     try:
-        return export_model_(out_dir, model, tokenizer, settings, publish)
+        return export_model_(out_dir, model, tokenizer, settings, publish, card)
     except Exception as e:  # noqa: BLE001 - only a failed write becomes a sentence
         if os_reason(e) is None:
             raise
@@ -46,7 +46,7 @@ def export_model(out_dir, model, tokenizer, settings, publish=True):
                          "space, then continue with --resume auto") from None
 
 
-def export_model_(out_dir, model, tokenizer, settings, publish=True):
+def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None):
     """Save a dir that AutoModel / AutoTokenizer.from_pretrained load, plus our settings beside it
     (pooling, normalization, prefixes, max lengths, template) so evaluation tokenizes as training did.
     A bi-encoder (settings["kind"] == "biencoder") also gets the sentence-transformers files
@@ -54,7 +54,7 @@ def export_model_(out_dir, model, tokenizer, settings, publish=True):
 
     Written into `out_dir.partial` and renamed to `out_dir` when complete (publish=False leaves it
     there for the caller to finish and publish), so a kill never leaves a model dir that looks
-    complete but is not."""
+    complete but is not. `card`: the model card (README.md, model_card), as the hub shows it."""
 
     weights = full_state_dict(model)  # collective under FSDP2
     stage = staging(out_dir)
@@ -70,10 +70,41 @@ def export_model_(out_dir, model, tokenizer, settings, publish=True):
                 print(f"warning: {out_dir}: {w}", flush=True)
         with open(os.path.join(stage, SETTINGS_FILE), "w") as f:
             json.dump(settings, f, indent=2)
+        if card:
+            with open(os.path.join(stage, "README.md"), "w", encoding="utf-8") as f:
+                f.write(card)
     if publish:
         publish_dir(out_dir)
     barrier()
     return out_dir
+
+
+def model_card(kind, base_model, train_files, steps, loss, metrics, command=None):
+    """README.md of an export, as sentence-transformers writes one: YAML front matter (base model,
+    library, pipeline tag, datasets) and what the run was - its data files and record counts, its
+    loss and settings, its steps, its newest validation and retrieval metrics (`metrics`, Logger.last:
+    {split: {"step", name: value}}), and the command line."""
+    import sys
+
+    command = " ".join(command if command is not None else sys.argv)
+    pipeline = "sentence-similarity" if kind == "biencoder" else "text-ranking"
+    lines = ["---", f"base_model: {base_model}", "library_name: sentence-transformers", f"pipeline_tag: {pipeline}",
+             "tags:", "- retrieval_kit", "- sentence-transformers", f"- {'bi-encoder' if kind == 'biencoder' else 'reranker'}",
+             "datasets:"] + [f"- {f['file']}" for f in train_files] + ["---", "",
+             f"# {'Embedding model' if kind == 'biencoder' else 'Reranker'} fine-tuned from {base_model}", "",
+             f"Trained with retrieval_kit ({'SentenceTransformer' if kind == 'biencoder' else 'CrossEncoder'} and "
+             "transformers load this dir).",
+             "", "## Training", "", "| data file | records | share of the batches |", "|---|---|---|"]
+    total = sum(f.get("batches_per_round", 0) for f in train_files) or 1
+    lines += [f"| {f['file']} | {f['records']} | {f.get('batches_per_round', 0) / total:.0%} |" for f in train_files]
+    lines += ["", f"- steps: {steps}", "- loss: " + ", ".join(f"{k} {v}" for k, v in loss.items())]
+    for split, row in metrics.items():
+        if split == "train":
+            continue
+        values = ", ".join(f"{k} {v:.4f}" for k, v in row.items() if k != "step" and isinstance(v, (int, float)))
+        lines.append(f"- {split} at step {row['step']}: {values}")
+    lines += ["", "## Command", "", "```bash", command, "```", ""]
+    return "\n".join(lines)
 
 
 def staging(out_dir):
@@ -120,7 +151,7 @@ def _tokenizer_matches(out_dir, tokenizer, layout, max_length, trust_remote_code
     return True
 
 
-def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False):
+def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False, card=None):
     """Write the reranker `net` (the unwrapped *ForSequenceClassification model, or its FSDP2 module)
     to `out_dir` as described in the module docstring; returns the settings written beside it.
 
@@ -130,7 +161,7 @@ def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False):
     reasons = kit_only_reasons(settings["pooling"], settings.get("bidirectional", False))
     settings = dict(settings, score_activation="identity", tokenizer_pairs=False, portable=False,
                     kit_only=reasons)
-    export_model(out_dir, net, tokenizer, settings, publish=False)  # collective under FSDP2
+    export_model(out_dir, net, tokenizer, settings, publish=False, card=card)  # collective under FSDP2
     final, out_dir = out_dir, staging(out_dir)  # finished in the staging dir, then published
     if rank() == 0:
         layout = pair_layout(tokenizer, template, settings["append_eos"])

@@ -60,10 +60,15 @@ def text_lines(path, problems):
 
     try:
         with open(path, "rb") as f:
-            compressed = f.read(2) == GZIP_MAGIC
+            head = f.read(4)
+        compressed = head[:2] == GZIP_MAGIC
         f = gzip.open(path, "rb") if compressed else open(path, "rb")
     except OSError as e:
         raise DataError(f"{path}: cannot open ({e.strerror})") from None
+    if head == b"PAR1":
+        f.close()
+        raise DataError(f"{path}: a Parquet file, not text: write it as JSON Lines first, e.g. "
+                        f"pandas.read_parquet({path!r}).to_json('out.jsonl', orient='records', lines=True)")
     lineno = 0
     with f:
         try:
@@ -81,10 +86,15 @@ def text_lines(path, problems):
 
 def jsonl_objects(path, problems):
     """Yield (lineno, dict) for each non-blank line of a JSONL file that is a JSON object; every
-    other line is a problem (text_lines for the bytes)."""
+    other line is a problem (text_lines for the bytes). A file that is another format altogether
+    (one JSON array, CSV or TSV) is one DataError saying so, not a problem on every line."""
+    first = True
     for lineno, line in text_lines(path, problems):
         if not line.strip():
             continue
+        if first:
+            first = False
+            _check_is_jsonl(path, line)
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
@@ -97,6 +107,23 @@ def jsonl_objects(path, problems):
             problems.append(f"{path}:{lineno}: expected a JSON object, got {json_type(obj)}")
             continue
         yield lineno, obj
+
+
+def _check_is_jsonl(path, first_line):
+    """The first non-blank line of a file read as JSON Lines: one JSON array, or a CSV / TSV header,
+    is named as such (a DataError with how to convert it)."""
+    text = first_line.strip()
+    if text.startswith("["):
+        raise DataError(f"{path}: one JSON array, not JSON Lines (one object per line): convert it, e.g. "
+                        f"jq -c '.[]' {path} > out.jsonl")
+    if text.startswith("{") or any(c in text for c in '{}":'):  # a JSON object, broken or not: its own problem
+        return
+    for sep, name in (("\t", "TSV"), (",", "CSV")):
+        if sep in text:
+            columns = [c.strip().strip('"') for c in text.split(sep)][:6]
+            raise DataError(f"{path}: a {name} file (first line: {', '.join(columns)}), not JSON Lines: convert it, "
+                            f"e.g. pandas.read_csv({path!r}{', sep=chr(9)' if sep == chr(9) else ''}).to_json("
+                            "'out.jsonl', orient='records', lines=True)")
 
 
 # ----- validators ----------------------------------------------------------------------------------

@@ -112,6 +112,7 @@ class Logger:
                       header.get("world_size", 1))
         self.bar_keys = bar_keys
         self.writer = self.jsonl = self.bar = None
+        self.last = {}
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -127,6 +128,7 @@ class Logger:
         self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", dynamic_ncols=True)
 
     def log(self, step, scalars, prefix="train"):
+        self.last[prefix] = {"step": step, **scalars}  # the newest of each split (an export's model card)
         if not self.enabled:
             return
         for k, v in scalars.items():
@@ -154,6 +156,11 @@ class Logger:
     def write(self, msg):
         if self.enabled:
             self.bar.write(msg)
+
+    def log_eval(self, step, metrics, prefix="val", label=None):
+        """An evaluation's metrics: logged under `prefix`, and one line under the progress bar."""
+        self.log(step, metrics, prefix=prefix)
+        self.write(f"step {step}: {label or prefix} " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
     def close(self):
         if self.enabled:

@@ -188,9 +188,14 @@ def validate_groups(model, records, n_passages, batch_size, ctx, score):
     """Loss, acc@1 and MRR of each query's own fixed group (data.fixed_group: 1 positive + n-1
     negatives), so they depend on neither batch size nor world size; ties count against the
     positive. score(model, queries, groups) -> ((b, n) scores, mean loss); reduced over ranks."""
+    from tqdm import tqdm
+
     model.eval()
     loss_sum, acc_sum, rr_sum, count = 0.0, 0.0, 0.0, 0.0
-    for recs, counted in data.eval_batches(records, batch_size, ctx.rank, ctx.world_size):
+    batches = data.eval_batches(records, batch_size, ctx.rank, ctx.world_size)
+    per_rank = -(-len(records) // ctx.world_size)
+    total = -(-per_rank // batch_size)  # batches on every rank (eval_batches)
+    for recs, counted in tqdm(batches, total=total, desc="val", unit="batch", leave=False, disable=not ctx.is_main):
         scores, loss = score(model, [r.query for r in recs], [data.fixed_group(r, n_passages) for r in recs])
         if not counted:
             continue

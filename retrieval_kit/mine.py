@@ -61,9 +61,14 @@ def main(argv=None):
     from .models import default_model_dir, load_encoder, load_tokenizer
 
     ap = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input", required=True, help="JSONL with query and pos_doc")
-    ap.add_argument("--corpus", default=None, help="BEIR corpus.jsonl of candidate passages")
+    ap.add_argument("--input", required=True, help="training JSONL (any format the scripts read) whose queries and "
+                    "positives are mined for; docs may be ids into --corpus")
+    ap.add_argument("--corpus", default=None, help="BEIR corpus.jsonl where doc ids in --input resolve, as in "
+                    "training (a NeMo string doc is then an id); its passages are candidates")
+    ap.add_argument("--candidates", default=None, help="BEIR corpus.jsonl of candidate passages besides --corpus "
+                    "(ids in --input do not resolve here)")
     ap.add_argument("--out", required=True, help="training JSONL to write")
+    ap.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     ap.add_argument("--model", type=flags.model_path, default=None, help="bi-encoder dir (default: the bundled all-MiniLM-L6-v2)")
     ap.add_argument("--k", type=flags.positive_int, default=7, help="hard negatives per query (default 7)")
     ap.add_argument("--skip-top", type=flags.nonneg_int, default=0, help="skip this many top-ranked non-positives (default 0)")
@@ -74,13 +79,21 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=flags.positive_int, default=64, help="texts per encoding batch")
     cli.add_biencoder_setting_args(ap)
     args = ap.parse_args(argv)
+    same = [f for f, p in (("--input", args.input), ("--corpus", args.corpus), ("--candidates", args.candidates))
+            if p and os.path.exists(p)
+            and os.path.exists(args.out) and os.path.samefile(p, args.out)]
+    if same:
+        ap.error(f"--out {args.out} is the {same[0]} file: write the mined records to another file")
+    if os.path.exists(args.out) and not args.overwrite:
+        ap.error(f"--out {args.out} exists: pass --overwrite to replace it")
     flags.check_writable_file("--out", args.out)  # before any encoding
 
     ctx = dist.init()
-    records, _ = read_records(args.input)
+    corpus = read_corpus(args.corpus) if args.corpus else None  # docs by id in --input resolve here
+    records, _ = read_records(args.input, corpus=corpus)
     dist.print0(records.summary)
-    corpus = read_corpus(args.corpus) if args.corpus else None
-    texts = [corpus.texts[i] for i in range(len(corpus))] if corpus else []
+    pool = [c for c in (corpus, read_corpus(args.candidates) if args.candidates else None) if c is not None]
+    texts = [c.texts[i] for c in pool for i in range(len(c))]
     index = {t: i for i, t in enumerate(texts)}
     for r in records:  # positives join the candidate pool, so they can be recognised and skipped
         for p in r.pos:
@@ -100,10 +113,11 @@ def main(argv=None):
     if ctx.is_main:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         kept = [(r, n) for r, n in zip(records, negs) if n]  # a query with no negative left teaches nothing
-        with open(args.out, "w", encoding="utf-8") as f:
+        with open(args.out + ".tmp", "w", encoding="utf-8") as f:  # complete, or not there
             for r, n in kept:
                 f.write(json.dumps({"query": r.query, "pos_doc": list(r.pos), "neg_doc": [texts[j] for j in n]},
                                    ensure_ascii=False) + "\n")
+        os.replace(args.out + ".tmp", args.out)
         short = sum(len(n) < args.k for _, n in kept)
         print(f"wrote {len(kept)} records to {args.out} ({short} with fewer than {args.k} negatives; "
               f"{len(records) - len(kept)} left out: no candidate passed the filters)")

@@ -148,7 +148,7 @@ def _summary(records, fmt, unread):
         parts.append("teacher scores kept")
     if records.prompt_ids is not None:
         n = sum(1 for p in records.prompt_ids if p >= 0)
-        parts.append(f"{n:,} prompts prepended to their queries")
+        parts.append(f"{n:,} records with their own prompt (it replaces the query prefix for them)")
     if unread:
         parts.append("fields not read: " + ", ".join(f"{k} ({n:,})" for k, n in unread.most_common(6)))
     return f"{records.path}: " + "; ".join(parts)

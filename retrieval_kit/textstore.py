@@ -174,6 +174,13 @@ class Records:
         return self.passages.nbytes() + self.queries.nbytes() + sum(a.itemsize * len(a) for a in arrays if a)
 
 
+class PromptedQuery(str):
+    """A query that carries its own instruction (a record's prompt): tokenized without the run's
+    --query-prefix, as FlagEmbedding uses a record's prompt instead of the default instruction."""
+
+    prompted = True
+
+
 class RecordView:
     """One record of a Records: .query (its prompt prepended), .pos / .neg (Texts), .pos_ids /
     .neg_ids, .pos_scores / .neg_scores (lists, or None), .where ("file:line")."""
@@ -185,7 +192,10 @@ class RecordView:
 
     @property
     def query(self):
-        return self.prompt + self.bare_query
+        """The query as the model reads it: a record's own prompt (FlagEmbedding's "prompt") comes
+        first and replaces the run's query prefix (a PromptedQuery, which collate leaves as is)."""
+        prompt = self.prompt
+        return PromptedQuery(prompt + self.bare_query) if prompt else self.bare_query
 
     @property
     def bare_query(self):

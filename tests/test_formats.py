@@ -114,7 +114,7 @@ def test_flagembedding_scores_travel_with_the_sampled_passages_and_prompts_are_p
         objs.append({"query": r["query"], "pos": r["pos_doc"], "neg": r["neg_doc"], "prompt": "Find the package: ",
                      "pos_scores": [rng.random() for _ in r["pos_doc"]], "neg_scores": [rng.random() for _ in r["neg_doc"]]})
     records = read_records(write_jsonl(tmp_path / "flag.jsonl", objs), 3)[0]
-    assert "teacher scores kept" in records.summary and "8 prompts prepended" in records.summary
+    assert "teacher scores kept" in records.summary and "8 records with their own prompt" in records.summary
     for i, (r, o) in enumerate(zip(records, objs)):
         assert r.query == "Find the package: " + o["query"]
         score_of = dict(zip(o["pos"] + o["neg"], o["pos_scores"] + o["neg_scores"]))
@@ -371,3 +371,36 @@ def test_fuzz_mutated_corpora_load_or_name_their_line(tmp_path):
         assert not bad, (field, value)
         assert len(corpus) == 5 and all(formats.text_problem(corpus.texts[i]) is None for i in range(5))
     assert raised > 100
+
+
+@pytest.mark.parametrize("blob,says", [
+    (b"PAR1\x15\x04\x15\x10\x15\x14L\x15\x02\x15\x00\x12\x00\x00" + b"\x00" * 40, "a Parquet file, not text"),
+    (b'[{"query": "q", "pos_doc": ["p"], "neg_doc": ["n"]},\n {"query": "r", "pos_doc": ["p"]}]\n',
+     "one JSON array, not JSON Lines"),
+    (b"anchor,positive,negative\nwhat is a,a is,b is\n", "a CSV file (first line: anchor, positive, negative)"),
+    (b"query\tpositive\nq\tp\n", "a TSV file (first line: query, positive)"),
+])
+def test_a_file_in_another_format_is_one_sentence_naming_it(tmp_path, blob, says):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(blob)
+    with pytest.raises(DataError) as e:
+        read_records(str(path), 2)
+    assert str(e.value).startswith(f"{path}: {says}") and "\n" not in str(e.value), str(e.value)
+    assert "convert it" in str(e.value) or "write it as JSON Lines" in str(e.value)
+
+
+def test_a_records_prompt_replaces_the_query_prefix_as_flagembedding_builds_it(tmp_path, tokenizer):
+    """FlagEmbedding: a record's "prompt" is the instruction for that query, instead of the default
+    one (its query_instruction_format "{}{}": prompt + query); records without one get --query-prefix."""
+    from retrieval_kit.collate import biencoder_inputs
+
+    rows = nemo_text(bundled(2))
+    objs = [{"query": rows[0]["query"], "pos": rows[0]["pos_doc"], "neg": rows[0]["neg_doc"], "prompt": "Find: "},
+            {"query": rows[1]["query"], "pos": rows[1]["pos_doc"], "neg": rows[1]["neg_doc"]}]
+    records = read_records(write_jsonl(tmp_path / "flag.jsonl", objs), 2)[0]
+    batch = biencoder_inputs([r.query for r in records], [[r.pos[0], r.neg[0]] for r in records], tokenizer=tokenizer,
+                             query_max_length=64, passage_max_length=64, query_prefix="query: ")
+    ids = batch["q"].batch["input_ids"]  # unchunked: the rows in batch order
+    want = [tokenizer("Find: " + objs[0]["query"])["input_ids"], tokenizer("query: " + objs[1]["query"])["input_ids"]]
+    for row, w in zip(ids.tolist(), want):
+        assert row[:len(w)] == w and not any(row[len(w):])  # the ids, then padding

