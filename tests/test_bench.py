@@ -6,9 +6,18 @@ import os
 
 import pytest
 
-from tests.conftest import python_run, ROOT
+from tests.conftest import minilm_dir, python_run, ROOT, run_script
 
 pytestmark = pytest.mark.slow
+
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
+
+
+def bench(script, args):
+    out = python_run([os.path.join(ROOT, "bench", script), *args], env=ENV)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    return out.stdout
 
 
 @pytest.mark.parametrize("script,args,says", [
@@ -16,8 +25,33 @@ pytestmark = pytest.mark.slow
     ("bench_train_step.py", ["--steps", 1, "--warmup", 1, "--workers", 0], "overhead ratio kit/bare:"),
 ])
 def test_bench_script_runs_on_the_tiny_model(script, args, says, tiny_model_dir, small_train_file):
-    out = python_run([os.path.join(ROOT, "bench", script), "--model", tiny_model_dir, "--train-file", small_train_file,
-                      "--batch-size", 4, "--passage-max-length", 32, *args],
-                     env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT))
-    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert says in out.stdout, out.stdout[-2000:]
+    out = bench(script, ["--model", tiny_model_dir, "--train-file", small_train_file, "--batch-size", 4,
+                         "--passage-max-length", 32, *args])
+    assert says in out, out[-2000:]
+
+
+@pytest.mark.skipif(minilm_dir() is None, reason="these benches run the default model")
+@pytest.mark.parametrize("script,args,says", [
+    ("bench_encode.py", ["--docs", 20, "--reps", 1, "--batch-size", 8, "--max-length", 32], "speed-up kit/plain:"),
+    ("bench_grad_cache.py", ["--batches", 4, "--max-length", 32, "--chunk-tokens", 64], "grad-cache peak, batch 4"),
+    ("bench_dist.py", ["--reps", 2, "--skip-ranks"], "clip_grad_norm_ (per param)"),
+])
+def test_bench_script_runs_briefly(script, args, says):
+    out = bench(script, args)
+    assert says in out, out[-2000:]
+
+
+def test_bench_data_runs_at_a_small_scale(tmp_path):
+    out = bench("bench_data.py", ["--queries", 2000, "--passages", 2000, "--runs", 1, "--dir", tmp_path])
+    assert "data side:" in out, out[-2000:]
+
+
+def test_rerank_curve_runs_on_tiny_runs(tiny_model_dir, small_train_file, small_beir, tmp_path):
+    common = ["--model", tiny_model_dir, "--train-file", small_train_file, "--val-file", "", "--batch-size", 4]
+    run_script("train_biencoder.py", common + ["--max-steps", 1, "--passage-max-length", 32,
+                                               "--output-dir", tmp_path / "bi"])
+    run_script("train_reranker.py", common + ["--max-steps", 2, "--ckpt-every", 1, "--n-passages", 2,
+                                              "--rerank-max-length", 64, "--output-dir", tmp_path / "rr"])
+    out = bench("rerank_curve.py", ["--biencoder", tmp_path / "bi" / "final", "--run", tmp_path / "rr", "--beir",
+                                    small_beir, "--top-k", 2, "--weights", 1, 0.5])
+    assert "nDCG@10" in out and "bi-encoder" in out, out[-2000:]

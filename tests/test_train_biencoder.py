@@ -1,6 +1,7 @@
 """End-to-end runs of train_biencoder.py on a tiny random model: world of 1 and 2 ranks under torchrun."""
 
 import json
+import re
 import os
 
 import pytest
@@ -55,6 +56,13 @@ def test_short_run_loss_falls_and_leaves_a_complete_run_folder(tiny_model_dir, s
     last = val[-1]
     assert f"- val at step 24: loss {last['loss']:.4f}, acc@1 {last['acc@1']:.4f}, mrr {last['mrr']:.4f}" in card
     assert "InfoNCE temperature 0.05" in card and f"--output-dir {out}" in card
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])  # what the README's run-folder table says a run writes
+    listed = set(re.findall(r"`((?:train|val)/[a-z_@0-9]+)`", open(os.path.join(ROOT, "README.md")).read()))
+    assert tags <= listed and listed - tags <= {"train/mfu", "train/max_memory_gib"}, (tags ^ listed)
 
 
 @pytest.mark.slow
