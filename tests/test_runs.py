@@ -90,7 +90,10 @@ def finished(tiny_model_dir, small_train_file, tmp_path_factory):
     """An uninterrupted 6-step run, checkpoints at 2, 4, 6 kept: the reference."""
     out = tmp_path_factory.mktemp("runs") / "ref"
     t0 = time.perf_counter()
-    done = run("train_biencoder.py", base_args(tiny_model_dir, small_train_file, out))
+    # a fresh interpreter, as the chaos test's runs are (a warm one would skip the imports): its clock
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "train_biencoder.py")] +
+                          base_args(tiny_model_dir, small_train_file, out), cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT))
     assert done.returncode == 0, done.stderr[-3000:]
     RUN_SECONDS.append(time.perf_counter() - t0)  # how long a whole run takes here: the chaos test's clock
     return out
