@@ -162,10 +162,11 @@ def add_biencoder_setting_args(g, training=False):
 
 
 def setting_overrides(args):
-    """{setting: flag value (None = not given)} of the six bi-encoder setting flags."""
+    """{setting: flag value (None = not given)} of the bi-encoder settings (include_prompt has no flag:
+    the model dir's)."""
     from .st_format import SETTING_KEYS
 
-    return {k: getattr(args, k) for k in SETTING_KEYS}
+    return {k: getattr(args, k, None) for k in SETTING_KEYS}
 
 
 def add_model_args(g):

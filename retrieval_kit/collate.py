@@ -10,11 +10,28 @@ import torch
 
 from .chunking import chunk_batch
 
+class PooledWithout(str):
+    """A prefix (prompt) that the pooling leaves out, as a sentence-transformers Pooling with
+    `include_prompt: false` does: the encoder still reads its tokens, the embedding is pooled from
+    the rest (st_format.resolve_biencoder_settings makes the prefixes of such a model this type)."""
+
+    excluded = True
+
+
+def prompt_length(tokenizer, prompt):
+    """Tokens of `prompt` at the start of a tokenized text, as sentence-transformers counts them: the
+    prompt tokenized alone, less a trailing special token ([SEP], EOS); the leading one ([CLS]) counts."""
+    ids = tokenizer([prompt])["input_ids"][0]
+    return len(ids) - (1 if ids and ids[-1] in set(tokenizer.all_special_ids) else 0)
+
+
 def tokenize(tokenizer, texts, max_length, prefix="", pad_to_multiple_of=None):
     """Tokenize `texts` (with an optional prefix such as "query: ", left off a text that carries its
-    own prompt: textstore.PromptedQuery) to a padded batch of tensors."""
-    texts = [t if getattr(t, "prompted", False) else prefix + t for t in texts] if prefix else list(texts)
-    return tokenizer(
+    own prompt: textstore.PromptedQuery) to a padded batch of tensors. A PooledWithout prefix adds
+    "pool_mask": the attention mask with the prefix's tokens off, which the pooling then uses."""
+    got = [not getattr(t, "prompted", False) for t in texts]
+    texts = [prefix + t if g else t for t, g in zip(texts, got)] if prefix else list(texts)
+    batch = tokenizer(
         texts,
         max_length=max_length,
         truncation=True,
@@ -22,6 +39,14 @@ def tokenize(tokenizer, texts, max_length, prefix="", pad_to_multiple_of=None):
         pad_to_multiple_of=pad_to_multiple_of or None,
         return_tensors="pt",
     )
+    if prefix and getattr(prefix, "excluded", False):
+        n = prompt_length(tokenizer, prefix)
+        mask = batch["attention_mask"]
+        first = mask.to(torch.int32).argmax(dim=1, keepdim=True)  # left padding: where each row starts
+        positions = torch.arange(mask.shape[1]).unsqueeze(0)
+        off = (positions < first + n) & torch.tensor(got).unsqueeze(1)  # a row with its own prompt pools all
+        batch["pool_mask"] = mask.masked_fill(off, 0)
+    return batch
 
 
 def collate_biencoder(tokenizer, queries, groups, query_max_length, passage_max_length,

@@ -128,7 +128,15 @@ def encode(model, batch, pooling="avg", normalize=True):
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra)
     # pooled and normalized in fp32 whatever the compute dtype (bf16 under FSDP2's policy): embeddings
     # rounded to bf16 would round the similarity logits too (issue 16)
-    reps = pool(out.last_hidden_state.float(), batch["attention_mask"], pooling)
+    hidden = out.last_hidden_state.float()
+    if "pool_mask" in batch:  # a prompt the pooling leaves out (collate.PooledWithout): as sentence-transformers
+        mask = batch["pool_mask"]
+        if pooling == "cls":  # the first token left in, as its Pooling takes it
+            reps = hidden[torch.arange(hidden.shape[0], device=hidden.device), mask.to(torch.int32).argmax(dim=1)]
+        else:
+            reps = pool(hidden, mask, pooling)
+    else:
+        reps = pool(hidden, batch["attention_mask"], pooling)
     return F.normalize(reps, dim=-1) if normalize else reps
 
 

@@ -18,7 +18,7 @@ import os
 
 SETTINGS_FILE = "retrieval_kit.json"  # the kit's own settings, beside an exported model
 KIT_DEFAULTS = {"pooling": "avg", "normalize": True, "query_prefix": "", "passage_prefix": "",
-                "query_max_length": 32, "passage_max_length": 128}
+                "query_max_length": 32, "passage_max_length": 128, "include_prompt": True}
 SETTING_KEYS = tuple(KIT_DEFAULTS)
 # sentence-transformers pooling modes -> the kit's
 ST_POOLING = {"mean": "avg", "cls": "cls", "lasttoken": "last"}
@@ -59,7 +59,8 @@ def read_st_settings(model_dir):
             path = os.path.join(model_dir, m.get("path", ""), "config.json")
             config = _json(path)
             out["pooling"] = _pooling_mode(config, path)
-            out["include_prompt"] = config.get("include_prompt", True)
+            if config.get("include_prompt") is False:  # the prompt's tokens are not pooled
+                out["include_prompt"] = False
         elif kind == "Normalize":
             out["normalize"] = True
         elif kind != "Transformer":
@@ -123,11 +124,11 @@ def resolve_biencoder_settings(model_dir, flags):
             out[k] = from_st[k] = st[k]
         else:
             out[k] = KIT_DEFAULTS[k]
-    if st.get("include_prompt") is False and (out["query_prefix"] or out["passage_prefix"]):
-        raise SystemExit(f"{model_dir}: its pooling leaves the prompt's tokens out (include_prompt: false), which the "
-                         "kit does not do yet: with a query or passage prefix it would embed otherwise than "
-                         "sentence-transformers; train without prefixes (--query-prefix '' --passage-prefix '') or "
-                         "with sentence-transformers")
+    if out["include_prompt"] is False:  # the prefixes' tokens stay out of the pooling (collate.tokenize)
+        from .collate import PooledWithout
+
+        out["query_prefix"], out["passage_prefix"] = PooledWithout(out["query_prefix"]), PooledWithout(
+            out["passage_prefix"])
     message = None
     if from_st:
         message = f"{model_dir}: read its sentence-transformers settings: " + ", ".join(
@@ -137,7 +138,7 @@ def resolve_biencoder_settings(model_dir, flags):
 
 def write_st_files(out_dir, settings, hidden_size):
     """Write the sentence-transformers files for a bi-encoder export with these kit settings (pooling,
-    normalize, prefixes, max lengths). Returns warnings: sentence-transformers has one max length,
+    normalize, prefixes, max lengths, include_prompt). Returns warnings: sentence-transformers has one max length,
     the passage one; a different query max length cannot be declared."""
     from .models import POOLING_MODES
 
@@ -150,7 +151,7 @@ def write_st_files(out_dir, settings, hidden_size):
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
         os.makedirs(os.path.join(out_dir, "2_Normalize"), exist_ok=True)
     pooling = {"word_embedding_dimension": hidden_size, **{k: m == st_mode for k, m in LEGACY_KEYS.items()},
-               "include_prompt": True}  # the kit pools the prefix's tokens too
+               "include_prompt": settings.get("include_prompt", True)}  # False: the prefix's tokens not pooled
     os.makedirs(os.path.join(out_dir, "1_Pooling"), exist_ok=True)
     files = {"modules.json": modules, os.path.join("1_Pooling", "config.json"): pooling,
              "sentence_bert_config.json": {"max_seq_length": settings["passage_max_length"], "do_lower_case": False},

