@@ -18,7 +18,7 @@ from retrieval_kit.export import export_model, model_card
 from retrieval_kit.formats import exit_on_data_error
 from retrieval_kit.losses import biencoder_loss, contrastive_loss, matryoshka, matryoshka_plan
 from retrieval_kit.metrics import WindowedAverage
-from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder, load_once, load_tokenizer
+from retrieval_kit.models import BiEncoder, default_model_dir, embedding_size, load_encoder, load_once, load_tokenizer
 from retrieval_kit.st_format import resolve_biencoder_settings
 
 
@@ -48,7 +48,7 @@ def main():
     encoder, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
         functools.partial(load_encoder, model_dir, storage_dtype, args.trust_remote_code, args.attn_implementation),
         args.parallel == "fsdp2", ctx)
-    dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights, encoder.config.hidden_size)
+    dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights, embedding_size(encoder))
     settings, read = resolve_biencoder_settings(model_dir, cli.setting_overrides(args))
     if read:  # what the model dir's sentence-transformers files set
         dist.print0(read)

@@ -23,6 +23,7 @@ import os
 import shutil
 
 import torch
+from safetensors.torch import save_file
 
 from .ckpt import full_state_dict
 from .collate import PAIR, tokenize_bare, pair_layout, pair_post_processor
@@ -61,10 +62,15 @@ def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None):
     if rank() == 0:
         shutil.rmtree(stage, ignore_errors=True)
         os.makedirs(stage)
+        dense = getattr(unwrap(model), "st_dense", None)  # a sentence-transformers Dense: its own module dir
+        dense_weights = {k[len("st_dense."):]: weights.pop(k) for k in list(weights) if k.startswith("st_dense.")}
         unwrap(model).save_pretrained(stage, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(stage)
         if settings.get("kind") == "biencoder":
-            warnings = write_st_files(stage, settings, unwrap(model).config.hidden_size)
+            warnings = write_st_files(stage, settings, unwrap(model).config.hidden_size,
+                                      dense.config() if dense is not None else None)
+            if dense is not None:
+                save_file(dense_weights, os.path.join(stage, "2_Dense", "model.safetensors"))
             settings = {**settings, "sentence_transformers": {"files": True, "warnings": warnings}}
             for w in warnings:
                 print(f"warning: {out_dir}: {w}", flush=True)

@@ -6,6 +6,8 @@ Pooling modes:
   last - the last non-pad token of each row (works with left or right padding)
 """
 
+import os
+
 import torch
 import torch.nn.functional as F
 from transformers import AutoModel
@@ -52,8 +54,6 @@ def load_tokenizer(path, trust_remote_code=False):
     file at all (transformers then builds an empty vocabulary: every word would be [UNK])."""
     from transformers import AutoTokenizer
 
-    import os
-
     if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, n)) for n in TOKENIZER_FILES):
         raise SystemExit(f"{path}: cannot load the tokenizer (the dir holds none of {', '.join(TOKENIZER_FILES[:4])}, "
                          "...; transformers would build an empty vocabulary)")
@@ -91,6 +91,57 @@ def load_once(load, fsdp2, ctx):
     return load(meta=True), (load() if ctx.is_main else None)
 
 
+class STDense(torch.nn.Module):
+    """A sentence-transformers Dense module: activation(linear(pooled)), trained with the encoder. It
+    rides on the Hugging Face model as `.st_dense` (so the optimizer, checkpoints and FSDP2 see it);
+    the export writes it back as the dir's 2_Dense module."""
+
+    def __init__(self, in_features, out_features, bias=True, activation_function="torch.nn.modules.activation.Tanh"):
+        super().__init__()
+        self.linear = torch.nn.Linear(in_features, out_features, bias=bias)
+        self.activation_function = activation_function
+        self.activation = getattr(torch.nn, activation_function.rsplit(".", 1)[-1])()
+
+    def forward(self, x):
+        return self.activation(self.linear(x))
+
+    def config(self):
+        return {"in_features": self.linear.in_features, "out_features": self.linear.out_features,
+                "bias": self.linear.bias is not None, "activation_function": self.activation_function}
+
+
+def attach_st_dense(model, path, dtype=None, meta=False):
+    """The model dir's sentence-transformers Dense module (st_format.read_st_dense), if it has one,
+    as `model.st_dense` with its weights (on the meta device with `meta`)."""
+    from .st_format import read_st_dense
+
+    spec = read_st_dense(path)
+    if spec is None:
+        return model
+    args = [spec[k] for k in ("in_features", "out_features", "bias", "activation_function")]
+    if meta:
+        with torch.device("meta"):
+            dense = STDense(*args)
+    else:
+        dense = STDense(*args)
+        weights = os.path.join(spec["path"], "model.safetensors")
+        if os.path.isfile(weights):
+            from safetensors.torch import load_file
+
+            state = load_file(weights)
+        else:
+            state = torch.load(os.path.join(spec["path"], "pytorch_model.bin"), weights_only=True, map_location="cpu")
+        dense.load_state_dict(state)
+    model.st_dense = dense.to(dtype) if dtype is not None else dense
+    return model
+
+
+def embedding_size(model):
+    """The size of the embeddings `encode` gives: the Dense module's output, else the hidden size."""
+    dense = getattr(model, "st_dense", None)
+    return dense.linear.out_features if dense is not None else model.config.hidden_size
+
+
 def load_encoder(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False):
     """Load any Hugging Face encoder directory with AutoModel, in `dtype` (`meta`: built on the meta device)."""
     with loading(path, "model"):
@@ -104,7 +155,7 @@ def load_encoder(path, dtype=torch.float32, trust_remote_code=False, attn_implem
     if getattr(model, "pooler", None) is not None:
         # BERT-style pooler head: our pooling replaces it, and params that get no grad would stall DDP
         model.pooler.requires_grad_(False)
-    return model
+    return attach_st_dense(model, path, dtype, meta)  # a sentence-transformers Dense after the pooling
 
 
 def pool(hidden, attention_mask, mode):
@@ -137,6 +188,9 @@ def encode(model, batch, pooling="avg", normalize=True):
             reps = pool(hidden, mask, pooling)
     else:
         reps = pool(hidden, batch["attention_mask"], pooling)
+    dense = getattr(model, "st_dense", None)
+    if dense is not None:  # a sentence-transformers Dense projection, between pooling and normalization
+        reps = dense(reps.to(dense.linear.weight.dtype)).float()
     return F.normalize(reps, dim=-1) if normalize else reps
 
 

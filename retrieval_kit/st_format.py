@@ -63,7 +63,7 @@ def read_st_settings(model_dir):
                 out["include_prompt"] = False
         elif kind == "Normalize":
             out["normalize"] = True
-        elif kind != "Transformer":
+        elif kind not in ("Transformer", "Dense"):  # a Dense rides with the model (read_st_dense)
             raise SystemExit(_unsupported(model_dir, modules_path, m, kind))
     max_len = None
     sbert = os.path.join(model_dir, "sentence_bert_config.json")
@@ -98,6 +98,40 @@ def _unsupported(model_dir, modules_path, module, kind):
     return (f"{modules_path}: module {module.get('name')!r} is a {kind}{what}; the kit does not carry it (training, "
             "evaluation and the export would embed without it): fine-tune a dir without it (its modules.json "
             "listing Transformer, Pooling and Normalize only), or train it with sentence-transformers")
+
+
+DENSE_ACTIVATIONS = ("torch.nn.modules.activation.Tanh", "torch.nn.modules.linear.Identity",
+                     "torch.nn.modules.activation.ReLU", "torch.nn.modules.activation.GELU",
+                     "torch.nn.modules.activation.Sigmoid")
+
+
+def read_st_dense(model_dir):
+    """The Dense projection a sentence-transformers dir applies after pooling (before Normalize):
+    {"path", "in_features", "out_features", "bias", "activation_function"}, or None. One Dense, after
+    the Pooling, with one of DENSE_ACTIVATIONS and no residual; anything else is one sentence."""
+    modules_path = os.path.join(model_dir, "modules.json")
+    if not os.path.isfile(modules_path):
+        return None
+    modules = _json(modules_path)
+    kinds = [m.get("type", "").rsplit(".", 1)[-1] for m in modules]
+    if "Dense" not in kinds:
+        return None
+    i = kinds.index("Dense")
+    config = _json(os.path.join(model_dir, modules[i].get("path", ""), "config.json"))
+    problem = None
+    if kinds.count("Dense") > 1:
+        problem = f"{kinds.count('Dense')} Dense modules (the kit carries one)"
+    elif "Pooling" not in kinds[:i] or "Normalize" in kinds[:i]:
+        problem = "a Dense that is not between the Pooling and the Normalize"
+    elif config.get("activation_function", DENSE_ACTIVATIONS[0]) not in DENSE_ACTIVATIONS:
+        problem = f"a Dense with activation {config.get('activation_function')!r}"
+    elif config.get("use_residual"):
+        problem = "a Dense with a residual connection"
+    if problem:
+        raise SystemExit(f"{modules_path}: {problem}; the kit does not carry it: fine-tune it with sentence-transformers")
+    return {"path": os.path.join(model_dir, modules[i].get("path", "")), "in_features": config["in_features"],
+            "out_features": config["out_features"], "bias": config.get("bias", True),
+            "activation_function": config.get("activation_function", DENSE_ACTIVATIONS[0])}
 
 
 def load_settings(model_dir):
@@ -136,20 +170,25 @@ def resolve_biencoder_settings(model_dir, flags):
     return out, message
 
 
-def write_st_files(out_dir, settings, hidden_size):
+def write_st_files(out_dir, settings, hidden_size, dense=None):
     """Write the sentence-transformers files for a bi-encoder export with these kit settings (pooling,
     normalize, prefixes, max lengths, include_prompt). Returns warnings: sentence-transformers has one max length,
     the passage one; a different query max length cannot be declared."""
-    from .models import POOLING_MODES
-
-    if settings["pooling"] not in POOLING_MODES:
+    if settings["pooling"] not in ST_POOLING.values():
         raise ValueError(f"unknown pooling {settings['pooling']!r}")
     st_mode = {v: k for k, v in ST_POOLING.items()}[settings["pooling"]]
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if dense is not None:  # its weights: written by the export (model.safetensors in 2_Dense)
+        modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+        os.makedirs(os.path.join(out_dir, "2_Dense"), exist_ok=True)
+        with open(os.path.join(out_dir, "2_Dense", "config.json"), "w") as f:
+            json.dump(dense, f, indent=2)
     if settings["normalize"]:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
-        os.makedirs(os.path.join(out_dir, "2_Normalize"), exist_ok=True)
+        n = len(modules)
+        modules.append({"idx": n, "name": str(n), "path": f"{n}_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+        os.makedirs(os.path.join(out_dir, f"{n}_Normalize"), exist_ok=True)
     pooling = {"word_embedding_dimension": hidden_size, **{k: m == st_mode for k, m in LEGACY_KEYS.items()},
                "include_prompt": settings.get("include_prompt", True)}  # False: the prefix's tokens not pooled
     os.makedirs(os.path.join(out_dir, "1_Pooling"), exist_ok=True)

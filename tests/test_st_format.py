@@ -104,20 +104,73 @@ def test_evaluation_reads_the_same_settings(st_dir):
 
 
 def test_a_module_the_kit_does_not_carry_is_refused_by_name(tiny_model_dir, tmp_path):
-    """A Dense layer after pooling (saved by sentence-transformers itself): the kit would embed without
+    """A LayerNorm after pooling (saved by sentence-transformers itself): the kit would embed without
     it, so it says so instead of training, evaluating or exporting another model."""
     from sentence_transformers import SentenceTransformer, models
 
-    body = models.Transformer(tiny_model_dir)
-    modules = [body, models.Pooling(32, "mean"),
-               models.Dense(32, 16), models.Normalize()]
-    path = str(tmp_path / "dense")
-    SentenceTransformer(modules=modules, device="cpu").save(path)
-    assert SentenceTransformer(path, device="cpu").encode(["a query"]).shape == (1, 16)  # what a user gets there
-    with pytest.raises(SystemExit) as e:
+    path = str(tmp_path / "layernorm")
+    SentenceTransformer(modules=[models.Transformer(tiny_model_dir), models.Pooling(32, "mean"), models.LayerNorm(32)],
+                        device="cpu").save(path)
+    with pytest.raises(SystemExit, match=r"modules.json: module '2' is a LayerNorm; the kit does not carry it"):
         resolve_biencoder_settings(path, {})
-    said = str(e.value)
-    assert "modules.json: module '2' is a Dense: a 32 -> 16 linear layer" in said and "16 dimensions" in said
+
+
+def dense_dir(tiny_model_dir, path):
+    """A sentence-transformers dir that projects the pooled 32 dims to 16 (Tanh), then normalizes."""
+    from sentence_transformers import SentenceTransformer, models
+
+    torch.manual_seed(1)
+    SentenceTransformer(modules=[models.Transformer(tiny_model_dir), models.Pooling(32, "mean"), models.Dense(32, 16),
+                                 models.Normalize()], device="cpu", prompts={"query": "query: "}).save(str(path))
+    return str(path)
+
+
+def test_a_dense_module_is_carried_and_embeds_as_sentence_transformers(tiny_model_dir, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    from retrieval_kit.encode import encode_texts
+    from retrieval_kit.models import BiEncoder, embedding_size, load_encoder, load_tokenizer
+
+    path = dense_dir(tiny_model_dir, tmp_path / "dense")
+    settings, _ = resolve_biencoder_settings(path, {})
+    enc, tok = load_encoder(path).eval(), load_tokenizer(path)
+    assert embedding_size(enc) == 16 and "st_dense.linear.weight" in enc.state_dict()  # trained and checkpointed
+    texts = ["a tool for the command line", "python", "the server and its client library documentation"]
+    want = torch.tensor(SentenceTransformer(path, device="cpu").encode(texts, prompt_name="query"))
+    got = encode_texts(enc, tok, texts, 64, settings["query_prefix"], 8, settings["pooling"], settings["normalize"])
+    assert got.shape == (3, 16) and (got - want).abs().max() < 1e-5
+    via_biencoder = encode_texts(BiEncoder(enc, settings["pooling"], settings["normalize"]), tok, texts, 64,
+                                 settings["query_prefix"], 8)
+    assert (via_biencoder - want).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_a_run_on_a_dense_dir_trains_it_and_exports_it_as_sentence_transformers_reads_it(tiny_model_dir,
+                                                                                     small_train_file, tmp_path):
+    from safetensors.torch import load_file
+    from sentence_transformers import SentenceTransformer
+
+    from retrieval_kit.encode import encode_texts
+    from retrieval_kit.models import load_encoder, load_tokenizer
+
+    src = dense_dir(tiny_model_dir, tmp_path / "dense")
+    out = tmp_path / "run"
+    run_script("train_biencoder.py", ["--model", src, "--train-file", small_train_file, "--val-file", "",
+                                      "--max-steps", 2, "--batch-size", 4, "--passage-max-length", 32,
+                                      "--query-max-length", 32, "--lr", 1e-3, "--ckpt-every", 1, "--output-dir", out])
+    final = str(out / "final")
+    assert {k for k in load_file(str(out / "step_000002" / "model.safetensors")) if k.startswith("st_dense.")} == {
+        "st_dense.linear.weight", "st_dense.linear.bias"}  # the checkpoint carries it
+    trained = load_file(os.path.join(final, "2_Dense", "model.safetensors"))["linear.weight"]
+    before = load_file(os.path.join(src, "2_Dense", "model.safetensors"))["linear.weight"]
+    assert not torch.equal(trained, before)  # trained with the encoder
+    assert not any(k.startswith("st_dense") for k in load_file(os.path.join(final, "model.safetensors")))
+    settings, _ = resolve_biencoder_settings(final, {})
+    texts = ["a tool for the command line", "python"]
+    got = encode_texts(load_encoder(final).eval(), load_tokenizer(final), texts, 32, settings["query_prefix"], 8,
+                       settings["pooling"], settings["normalize"])
+    want = torch.tensor(SentenceTransformer(final, device="cpu").encode(texts, prompt_name="query"))
+    assert got.shape == (2, 16) and (got - want).abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
