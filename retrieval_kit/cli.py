@@ -150,7 +150,8 @@ def add_biencoder_setting_args(g, training=False):
          help=f"tokens per query, truncated beyond (default: {what} max_seq_length, else 32)")
     flag(g, "--passage-max-length", type=flags.positive_int, default=None,
          help=f"tokens per passage, truncated beyond (default: {what} max_seq_length, else 128)")
-    flag(g, "--query-prefix", default=None, help='prepended to each query, e.g. "query: " for E5 models '
+    flag(g, "--query-prefix", default=None, help='prepended to each query, e.g. "query: " for E5 models, but '
+         "for a record with its own prompt (FlagEmbedding's \"prompt\"), which replaces it "
          f"(default: {what} 'query' prompt, else none)")
     flag(g, "--passage-prefix", default=None, help='prepended to each passage, e.g. "passage: " (default: '
          f"{what} 'document' prompt, else none)")

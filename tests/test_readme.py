@@ -139,3 +139,12 @@ def test_every_flag_the_docs_name_exists_somewhere():
              for f in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", span)}
     bad = sorted(f"{page}: {f}" for page, f in named if f not in known)
     assert not bad, bad
+
+
+def test_the_start_up_line_the_docs_show_is_what_a_run_prints(monkeypatch):
+    from retrieval_kit.records import read_records
+
+    monkeypatch.chdir(ROOT)
+    shown = [line for line in read(os.path.join(ROOT, "docs", "data.md")).splitlines()
+             if line.startswith("train: data/train.jsonl")]
+    assert shown == ["train: " + read_records("data/train.jsonl", 2)[0].summary]
