@@ -18,13 +18,14 @@ import os
 import torch
 
 from retrieval_kit import ckpt, cli, data, dist, log, loop, optim, precision, records
-from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, pair_layout, rerank_inputs
+from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, TEMPLATE_PRESETS, pair_layout, rerank_inputs
 from retrieval_kit.export import export_reranker, kit_only_reasons, model_card
 from retrieval_kit.formats import exit_on_data_error
 from retrieval_kit.losses import RERANK_LOSSES, reranker_loss
 from retrieval_kit.metrics import WindowedAverage
-from retrieval_kit.models import (CrossEncoder, default_model_dir, fresh_head_params, is_decoder_only, load_once,
-                                  load_reranker, load_tokenizer, make_bidirectional, setup_pad_token)
+from retrieval_kit.models import (CrossEncoder, default_model_dir, fresh_head_params, is_decoder_only, lm_token_ids,
+                                  load_lm_reranker, load_once, load_reranker, load_tokenizer, make_bidirectional,
+                                  setup_pad_token)
 
 
 def parse_args(argv=None):
@@ -40,10 +41,18 @@ def tokenization_settings(args, tokenizer, template):
 
 def resolve_template(template, config):
     """--prompt-template (or a --train-mix line's "prompt_template"): 'auto' = 'pair' for encoders,
-    the default template for decoders."""
+    the default template for decoders; a preset's name (collate.TEMPLATE_PRESETS) = its template."""
     if template == "auto":
         return DEFAULT_TEMPLATE if is_decoder_only(config) else PAIR
-    return template
+    return TEMPLATE_PRESETS.get(template, template)
+
+
+def run_layout(tokenizer, template, append_eos):
+    """The run's pair layout (--prompt-template), or one sentence naming the flag at fault."""
+    try:
+        return pair_layout(tokenizer, template, append_eos)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def file_layout(tokenizer, file, config, layout, append_eos):
@@ -83,21 +92,19 @@ def main():
                                                                      args.compute_dtype, args.parallel)
     model_dir = args.model or default_model_dir()
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
-    if args.padding_side != "auto":
-        tokenizer.padding_side = args.padding_side
+    if args.padding_side != "auto" or args.head == "lm":  # an LM head scores after the last token: pad left
+        tokenizer.padding_side = "left" if args.padding_side == "auto" else args.padding_side
     net, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
-        functools.partial(load_reranker, model_dir, storage_dtype, args.trust_remote_code, args.attn_implementation),
-        args.parallel == "fsdp2", ctx)
+        functools.partial(load_lm_reranker if args.head == "lm" else load_reranker, model_dir, storage_dtype,
+                          args.trust_remote_code, args.attn_implementation), args.parallel == "fsdp2", ctx)
+    lm_ids = lm_token_ids(tokenizer, args.lm_tokens) if args.head == "lm" else None  # [true, false] vocab rows
     setup_pad_token(tokenizer, net)
     if args.bidirectional:
         make_bidirectional(net)
     template = resolve_template(args.prompt_template, net.config)
-    try:
-        layout = pair_layout(tokenizer, template, args.append_eos)  # how every pair becomes ids, train and eval
-    except ValueError as e:
-        raise SystemExit(str(e)) from None  # names the flag at fault
+    layout = run_layout(tokenizer, template, args.append_eos)  # how every pair becomes ids, train and eval
     layouts = {f.name: file_layout(tokenizer, f, net.config, layout, args.append_eos) for f in files}  # --train-mix
-    for reason in kit_only_reasons(args.pooling, args.bidirectional):
+    for reason in kit_only_reasons(args.pooling, args.bidirectional, args.head):
         dist.print0(f"warning: kit-only reranker: {reason}; score the export with retrieval_kit, not "
                     "AutoModelForSequenceClassification or CrossEncoder")
     torch.manual_seed(args.seed + ctx.rank)  # from here on (dropout) each rank draws its own numbers
@@ -106,11 +113,12 @@ def main():
         ckpt.restore_model(source, resume_dir, storage_dtype)
 
     # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------
-    model, eval_model = dist.wrap(CrossEncoder(net, args.pooling), net, ctx, mp_policy=precision.mp_policy(compute_dtype),
-                                  source=source, **cli.wrap_settings(args))
+    model, eval_model = dist.wrap(CrossEncoder(net, args.pooling, lm_ids), net, ctx,
+                                  mp_policy=precision.mp_policy(compute_dtype), source=source, **cli.wrap_settings(args))
 
     # ----- optimizer, schedule; resume, part 2: optimizer -> scheduler -> loop state ------------
-    groups = optim.scale_lr(optim.param_groups(net, args.weight_decay), fresh_head_params(net), args.lr, args.head_lr_mult)
+    fresh = fresh_head_params(net) if args.head == "classifier" else []  # an LM head is trained, not fresh
+    groups = optim.scale_lr(optim.param_groups(net, args.weight_decay), fresh, args.lr, args.head_lr_mult)
     optimizer = optim.build_optimizer(groups, args.lr, (args.adam_beta1, args.adam_beta2), args.adam_eps)
     scheduler = optim.build_scheduler(optimizer, args.warmup_steps, args.max_steps, args.lr_schedule)
     state = loop.LoopState(loss_avg=WindowedAverage(args.loss_avg_window))
@@ -181,7 +189,8 @@ def main():
     final = os.path.join(args.output_dir, "final")
     loss = {args.loss: f"{args.n_passages} pairs per query", "distill weight": args.distill_weight}
     export_reranker(final, net, tokenizer, {"kind": "reranker", "pooling": args.pooling, "bidirectional": args.bidirectional,
-                                            "loss": args.loss, **tok_settings}, args.trust_remote_code,
+                                            "loss": args.loss, "head": args.head, "lm_token_ids": lm_ids,
+                                            **tok_settings}, args.trust_remote_code,
                     card=model_card("reranker", model_dir, args.train_mixture, state.step, loss, logger.last))
     loop.end_run(logger, f"exported the reranker to {final}")
 

@@ -397,7 +397,8 @@ def reranker_parser(description=None):
     g = add_data_args(p, n_passages=4, batch_size=4, unit="pairs", prompt_keys=RERANKER_PROMPT_KEYS)
     flag(g, "--prompt-template", default="auto",
          help="how a pair becomes tokens: 'pair' = the tokenizer's own pair encoding ([CLS] q [SEP] p [SEP] "
-              "with token type ids), or a template holding {query} and {passage}; auto = 'pair' for "
+              "with token type ids), a template holding {query} and {passage}, or a preset: 'qwen3' = "
+              "Qwen3-Reranker's chat layout (for --head lm); auto = 'pair' for "
               f"encoders, {DEFAULT_TEMPLATE!r} for decoders (default auto)")
     flag(g, "--rerank-max-length", type=flags.positive_int, default=512,
          help="tokens per pair; the passage is truncated first, the query kept (default 512)")
@@ -412,6 +413,12 @@ def reranker_parser(description=None):
               "non-pad token), what transformers and sentence-transformers run; last/avg/cls pool hidden "
               "states by the attention mask, then the linear head (kit-only; default native)")
     flag(g, "--bidirectional", action="store_true", help="drop a decoder's causal mask (attend both ways)")
+    flag(g, "--head", choices=("classifier", "lm"), default="classifier",
+         help="classifier = a one-logit sequence-classification head (default); lm = a causal LM scored by its "
+              "own LM head, logit(true word) - logit(false word) after the pair's last token (LLM rerankers: "
+              "Qwen3-Reranker, FlagEmbedding's LLM rerankers); left padding")
+    flag(g, "--lm-tokens", type=flags.listed(str), default=["yes", "no"],
+         help="--head lm: the true and false words, one token each (default yes,no)")
     add_reranker_loss_args(p.add_argument_group("loss"), RERANK_LOSSES)
     add_optim_args(p, lr=2e-4, max_steps=60, warmup_steps=6)
     add_precision_args(p)

@@ -69,6 +69,15 @@ def collate_biencoder(tokenizer, queries, groups, query_max_length, passage_max_
 
 PAIR = "pair"  # --prompt-template value: the tokenizer's own (query, passage) pair encoding
 DEFAULT_TEMPLATE = "question:{query} \n \n passage:{passage}"  # the default for decoders
+QWEN3_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+# --prompt-template presets. qwen3: Qwen3-Reranker's layout (its model card): a system line, the user turn
+# with <Instruct>, <Query> and <Document>, and the assistant prefix after which "yes" / "no" is scored
+TEMPLATE_PRESETS = {
+    "qwen3": ("<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the "
+              "Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n"
+              f"<Instruct>: {QWEN3_INSTRUCTION}\n<Query>: {{query}}\n<Document>: {{passage}}<|im_end|>\n"
+              "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+}
 
 
 def parse_template(template):

@@ -124,9 +124,13 @@ def publish_dir(out_dir):
         os.replace(staging(out_dir), out_dir)
 
 
-def kit_only_reasons(pooling, bidirectional):
+def kit_only_reasons(pooling, bidirectional, head="classifier"):
     """Why a reranker with these settings scores differently in transformers / sentence-transformers."""
     reasons = []
+    if head == "lm":
+        reasons.append("--head lm: AutoModelForCausalLM + the template give its score (logit(true) - logit(false) "
+                       "after the pair's last token); sentence-transformers' CrossEncoder files for it are not "
+                       "written yet")
     if pooling != "native":
         reasons.append(f"--pooling {pooling}: stock loaders run the model's own classification head "
                        "(--pooling native), not pooled hidden states")
@@ -164,7 +168,8 @@ def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False, 
     `settings` holds pooling, bidirectional and the tokenization (prompt_template, rerank_max_length,
     append_eos, padding_side, pad_to_multiple_of)."""
     template, max_length = settings["prompt_template"], settings["rerank_max_length"]
-    reasons = kit_only_reasons(settings["pooling"], settings.get("bidirectional", False))
+    reasons = kit_only_reasons(settings["pooling"], settings.get("bidirectional", False),
+                               settings.get("head", "classifier"))
     settings = dict(settings, score_activation="identity", tokenizer_pairs=False, portable=False,
                     kit_only=reasons)
     export_model(out_dir, net, tokenizer, settings, publish=False, card=card)  # collective under FSDP2
@@ -211,14 +216,16 @@ def load_exported_reranker(model_dir, dtype=torch.float32, trust_remote_code=Fal
     saved padding side, pooling and attention direction applied."""
     from transformers import AutoTokenizer
 
-    from .models import CrossEncoder, load_reranker, make_bidirectional, setup_pad_token
+    from .models import CrossEncoder, load_lm_reranker, load_reranker, make_bidirectional, setup_pad_token
 
     settings = load_settings(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if settings.get("padding_side"):
         tokenizer.padding_side = settings["padding_side"]
-    net = load_reranker(model_dir, dtype, trust_remote_code)
+    lm = settings.get("head") == "lm"  # a causal LM scored by its LM head
+    net = (load_lm_reranker if lm else load_reranker)(model_dir, dtype, trust_remote_code)
     setup_pad_token(tokenizer, net)
     if settings.get("bidirectional"):
         make_bidirectional(net)
-    return CrossEncoder(net, settings.get("pooling", "native")).eval(), tokenizer, settings
+    model = CrossEncoder(net, settings.get("pooling", "native"), settings.get("lm_token_ids") if lm else None)
+    return model.eval(), tokenizer, settings

@@ -279,6 +279,36 @@ def load_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_imple
     return model
 
 
+def load_lm_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False):
+    """AutoModelForCausalLM, for a reranker scored by its LM head (CrossEncoder(lm_tokens=...)); `meta`:
+    built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with loading(path, "model"):
+        if meta:
+            model = on_meta(AutoModelForCausalLM, path, dtype, trust_remote_code, attn_implementation)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                         **attn_kwargs(attn_implementation))
+    if dtype is not None and any(p.dtype != dtype for p in model.parameters()):
+        model.to(dtype)
+    return model
+
+
+def lm_token_ids(tokenizer, words):
+    """The vocabulary ids of --lm-tokens (true word, false word): one token each, or one sentence."""
+    ids = []
+    for w in words:
+        got = tokenizer(w, add_special_tokens=False)["input_ids"]
+        if len(got) != 1:
+            raise SystemExit(f"--lm-tokens: {w!r} is {len(got)} tokens for this tokenizer ({got}); the score reads one "
+                             "vocabulary row per word: choose words that are one token each")
+        ids.append(got[0])
+    if ids[0] == ids[1]:
+        raise SystemExit(f"--lm-tokens: {words[0]!r} and {words[1]!r} are the same token")
+    return ids
+
+
 def rerank_head(model):
     """The final linear layer of a *ForSequenceClassification model (`score` for decoders, `classifier` for BERT)."""
     for name in ("score", "classifier"):
@@ -333,11 +363,13 @@ class CrossEncoder(torch.nn.Module):
     or a chunking.Chunked, as for BiEncoder. Save and export `.model`.
     """
 
-    def __init__(self, model, pooling="native"):
+    def __init__(self, model, pooling="native", lm_tokens=None):
         super().__init__()
         if pooling not in RERANK_POOLING:
             raise ValueError(f"unknown pooling {pooling!r}; choose one of {RERANK_POOLING}")
-        self.model, self.pooling = model, pooling
+        self.model, self.pooling, self.lm_tokens = model, pooling, lm_tokens
+        if lm_tokens is not None:  # a causal LM scored by its head: logit(true) - logit(false) at the last token
+            return
         fp32_head(model)  # logits in fp32 under bf16 compute
         if pooling != "native":
             rerank_head(model)  # fail now, not at the first step
@@ -346,11 +378,24 @@ class CrossEncoder(torch.nn.Module):
 
     def score(self, batch):
         extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
+        if self.lm_tokens is not None:
+            return self.lm_score(batch, extra)
         if self.pooling == "native":
             return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits.view(-1)
         hidden = self.model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                        **extra).last_hidden_state
         return rerank_head(self.model)(pool(hidden, batch["attention_mask"], self.pooling)).view(-1)
+
+    def lm_score(self, batch, extra):
+        """logit(true) - logit(false) of the next token after each pair's last real token: only that
+        position's hidden state meets only the two vocabulary rows (never (pairs, length, vocab))."""
+        hidden = self.model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                       **extra).last_hidden_state  # (n, L, H), after the final norm
+        last = pool(hidden, batch["attention_mask"], "last").float()  # (n, H)
+        rows = self.model.get_output_embeddings().weight[self.lm_tokens].float()  # (2, H)
+        with torch.autocast(last.device.type, enabled=False):
+            logits = last @ rows.T  # (n, 2), fp32
+        return logits[:, 0] - logits[:, 1]
 
     def forward(self, **batches):
         return {name: run_chunked(self.score, b) if isinstance(b, Chunked) else self.score(b)
