@@ -125,18 +125,37 @@ def publish_dir(out_dir):
 
 
 def kit_only_reasons(pooling, bidirectional, head="classifier"):
-    """Why a reranker with these settings scores differently in transformers / sentence-transformers."""
+    """Why a reranker with these settings scores differently in transformers / sentence-transformers
+    (for --head lm: AutoModelForCausalLM + the template, and CrossEncoder with its LogitScore)."""
     reasons = []
-    if head == "lm":
-        reasons.append("--head lm: AutoModelForCausalLM + the template give its score (logit(true) - logit(false) "
-                       "after the pair's last token); sentence-transformers' CrossEncoder files for it are not "
-                       "written yet")
-    if pooling != "native":
+    if pooling != "native" and head != "lm":  # an LM head reads the last token, whatever --pooling says
         reasons.append(f"--pooling {pooling}: stock loaders run the model's own classification head "
                        "(--pooling native), not pooled hidden states")
     if bidirectional:
         reasons.append("--bidirectional: stock loaders keep the decoder's causal attention")
     return reasons
+
+
+def write_lm_cross_encoder_files(out_dir, token_ids, max_length):
+    """The sentence-transformers files (6.x layout) that make `CrossEncoder(out_dir)` score a --head lm
+    export as the kit does: its Transformer module on the causal LM ("text-generation", logits of the
+    last position, left padding), then LogitScore: logit(true) - logit(false), no activation."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_LogitScore",
+                "type": "sentence_transformers.cross_encoder.modules.logit_score.LogitScore"}]
+    os.makedirs(os.path.join(out_dir, "1_LogitScore"), exist_ok=True)
+    files = {"modules.json": modules,
+             os.path.join("1_LogitScore", "config.json"): {"true_token_id": token_ids[0], "false_token_id": token_ids[1],
+                                                           "module_input_name": "causal_logits"},
+             "sentence_bert_config.json": {"transformer_task": "text-generation", "max_seq_length": max_length,
+                                           "modality_config": {"text": {"method": "forward",
+                                                                        "method_output_name": "logits"}},
+                                           "module_output_name": "causal_logits"},
+             "config_sentence_transformers.json": {"model_type": "CrossEncoder", "activation_fn": IDENTITY,
+                                                   "prompts": {}, "default_prompt_name": None}}
+    for name, obj in files.items():
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(obj, f, indent=2)
 
 
 def _edit_json(path, fn):
@@ -176,8 +195,11 @@ def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False, 
     final, out_dir = out_dir, staging(out_dir)  # finished in the staging dir, then published
     if rank() == 0:
         layout = pair_layout(tokenizer, template, settings["append_eos"])
-        _edit_json(os.path.join(out_dir, "config.json"),
-                   lambda c: c.setdefault("sentence_transformers", {}).update(activation_fn=IDENTITY))
+        if settings.get("head") == "lm":  # CrossEncoder: the causal LM, then LogitScore on the last position
+            write_lm_cross_encoder_files(out_dir, settings["lm_token_ids"], max_length)
+        else:
+            _edit_json(os.path.join(out_dir, "config.json"),
+                       lambda c: c.setdefault("sentence_transformers", {}).update(activation_fn=IDENTITY))
         _edit_json(os.path.join(out_dir, "tokenizer_config.json"), lambda c: c.update(model_max_length=max_length))
         tok_json = os.path.join(out_dir, "tokenizer.json")
         if (template != PAIR or settings["append_eos"]) and os.path.isfile(tok_json):

@@ -87,7 +87,7 @@ def test_a_head_lm_run_exports_a_causal_lm_that_scores_as_the_kit(lm_tokenizer, 
                                      small_train_file, "--val-max-groups", 8, "--batch-size", 2, "--n-passages", 2,
                                      "--rerank-max-length", 192, "--max-steps", 2, "--output-dir", out])
     model, tok, settings = load_exported_reranker(str(out / "final"))
-    assert settings["head"] == "lm" and tok.padding_side == "left" and not settings["portable"]
+    assert settings["head"] == "lm" and tok.padding_side == "left" and settings["portable"], settings["kit_only"]
     kit = rerank_groups(model, tok, QUERIES, GROUPS, settings)  # (2, 3)
     # the stock loader on the pairs as the export tokenizes them: the trained template's ids, padded left
     batch = collate_rerank(tok, QUERIES, GROUPS, max_length=192, layout=rerank_layout(tok, settings))
@@ -99,4 +99,9 @@ def test_a_head_lm_run_exports_a_causal_lm_that_scores_as_the_kit(lm_tokenizer, 
         logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, -1]
     yes, no = settings["lm_token_ids"]
     assert (kit.view(-1) - (logits[:, yes] - logits[:, no])).abs().max() < 1e-5
+    from sentence_transformers import CrossEncoder as STCrossEncoder  # its LogitScore module, as the export declares
+
+    pairs = [(q, p) for q, g in zip(QUERIES, GROUPS) for p in g]
+    st = torch.tensor(STCrossEncoder(str(out / "final"), device="cpu").predict(pairs, batch_size=4))
+    assert (st - kit.view(-1)).abs().max() < 1e-5, (st, kit)
     assert os.path.isfile(out / "final" / "README.md")
