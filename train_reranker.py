@@ -47,10 +47,13 @@ def resolve_template(template, config):
     return TEMPLATE_PRESETS.get(template, template)
 
 
-def run_layout(tokenizer, template, append_eos):
-    """The run's pair layout (--prompt-template), or one sentence naming the flag at fault."""
+def run_layout(tokenizer, template, append_eos, max_length):
+    """The run's pair layout (--prompt-template), checked against --rerank-max-length before any
+    step (a template longer than the pairs may be), or one sentence naming the flag at fault."""
     try:
-        return pair_layout(tokenizer, template, append_eos)
+        layout = pair_layout(tokenizer, template, append_eos)
+        layout.encode([], [], max_length)
+        return layout
     except ValueError as e:
         raise SystemExit(str(e)) from None
 
@@ -102,7 +105,7 @@ def main():
     if args.bidirectional:
         make_bidirectional(net)
     template = resolve_template(args.prompt_template, net.config)
-    layout = run_layout(tokenizer, template, args.append_eos)  # how every pair becomes ids, train and eval
+    layout = run_layout(tokenizer, template, args.append_eos, args.rerank_max_length)  # every pair's ids
     layouts = {f.name: file_layout(tokenizer, f, net.config, layout, args.append_eos) for f in files}  # --train-mix
     for reason in kit_only_reasons(args.pooling, args.bidirectional, args.head):
         dist.print0(f"warning: kit-only reranker: {reason}; score the export with retrieval_kit, not "

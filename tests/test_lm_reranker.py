@@ -10,7 +10,7 @@ import torch
 
 from retrieval_kit.collate import TEMPLATE_PRESETS, collate_rerank
 from retrieval_kit.models import CrossEncoder, lm_token_ids, load_lm_reranker, setup_pad_token
-from tests.conftest import run_script, WORDS
+from tests.conftest import python_run, ROOT, run_script, WORDS
 
 QUERIES = ["python package manager", "graphical user interface"]
 GROUPS = [["a tool for the command line", "python library documentation", "server"],
@@ -105,3 +105,14 @@ def test_a_head_lm_run_exports_a_causal_lm_that_scores_as_the_kit(lm_tokenizer, 
     st = torch.tensor(STCrossEncoder(str(out / "final"), device="cpu").predict(pairs, batch_size=4))
     assert (st - kit.view(-1)).abs().max() < 1e-5, (st, kit)
     assert os.path.isfile(out / "final" / "README.md")
+
+
+@pytest.mark.slow
+def test_a_template_longer_than_the_max_length_is_one_sentence_at_start_up(lm_tokenizer, small_train_file, tmp_path):
+    path = causal_dir("qwen3", lm_tokenizer, tmp_path / "qwen3")
+    out = python_run([os.path.join(ROOT, "train_reranker.py"), "--model", path, "--head", "lm", "--prompt-template",
+                      "qwen3", "--rerank-max-length", 64, "--train-file", small_train_file, "--val-file", "",
+                      "--output-dir", tmp_path / "run"])
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "--rerank-max-length 64 leaves no room for text" in out.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before the first step
