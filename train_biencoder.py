@@ -12,14 +12,13 @@ checkpoints and final/ (an exported model dir).
 import functools
 import os
 
-from retrieval_kit import ckpt, cli, data, dist, evaluate, log, loop, optim, precision, records
+from retrieval_kit import ckpt, cli, data, dist, evaluate, log, loop, optim, plan, precision, records
 from retrieval_kit.collate import biencoder_inputs
 from retrieval_kit.export import export_model, model_card
 from retrieval_kit.formats import exit_on_data_error
 from retrieval_kit.losses import biencoder_loss, contrastive_loss, matryoshka, matryoshka_plan
 from retrieval_kit.metrics import WindowedAverage
 from retrieval_kit.models import BiEncoder, default_model_dir, embedding_size, load_encoder, load_once, load_tokenizer
-from retrieval_kit.st_format import resolve_biencoder_settings
 
 
 def parse_args(argv=None):
@@ -49,9 +48,7 @@ def main():
         functools.partial(load_encoder, model_dir, storage_dtype, args.trust_remote_code, args.attn_implementation),
         args.parallel == "fsdp2", ctx)
     dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights, embedding_size(encoder))
-    settings, read = resolve_biencoder_settings(model_dir, cli.setting_overrides(args))
-    if read:  # what the model dir's sentence-transformers files set
-        dist.print0(read)
+    settings = evaluate.biencoder_settings(model_dir, cli.setting_overrides(args))  # says what the dir set
     resume_dir = ckpt.start_run(**cli.resume_request(args), run_args=vars(args), neutral=cli.run_neutral())
     if resume_dir and source is not None:
         ckpt.restore_model(source, resume_dir, storage_dtype)
@@ -99,6 +96,7 @@ def main():
                        n_train=sum(len(f.records) for f in files), n_val=len(val_records),
                        train_files=args.train_mixture, steps_per_epoch=dataset.steps_per_epoch,
                        num_workers=args.num_workers, flops_per_token=log.flops_per_token(encoder),
+                       memory_plan=plan.memory_plan(encoder, ctx.world_size, args.parallel),
                        summary=f"world {ctx.world_size} on {ctx.device}; {data.describe_files(files)}, "
                                f"{len(val_records)} val; {args.batch_size * ctx.world_size * args.grad_accum_steps} "
                                f"queries x {args.n_passages} passages per step; {args.parallel}, storage "

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from retrieval_kit import ckpt, cli, data, dist, log, loop, optim, precision, records
+from retrieval_kit import ckpt, cli, data, dist, log, loop, optim, plan, precision, records
 from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, TEMPLATE_PRESETS, pair_layout, rerank_inputs
 from retrieval_kit.export import export_reranker, kit_only_reasons, model_card
 from retrieval_kit.formats import exit_on_data_error
@@ -155,6 +155,7 @@ def main():
                        n_train=sum(len(f.records) for f in files), train_files=args.train_mixture,
                        n_val=len(val_records), steps_per_epoch=dataset.steps_per_epoch, num_workers=args.num_workers,
                        flops_per_token=log.flops_per_token(net),
+                       memory_plan=plan.memory_plan(net, ctx.world_size, args.parallel),
                        summary=f"world {ctx.world_size} on {ctx.device}; {data.describe_files(files)}, "
                                f"{len(val_records)} val; {args.batch_size * ctx.world_size * args.grad_accum_steps} "
                                f"queries x {args.n_passages} pairs per step; {args.parallel}, storage "

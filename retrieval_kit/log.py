@@ -79,6 +79,10 @@ def start(run_args, ctx, output_dir, max_steps, start_step, log_every, bar_keys,
     logger = Logger(output_dir, full, max_steps, start_step, enabled=ctx.is_main, bar_keys=bar_keys, log_every=log_every)
     if ctx.is_main:
         print(summary, flush=True)
+        if "memory_plan" in header:
+            from .plan import describe
+
+            print(describe(header["memory_plan"]), flush=True)
     return logger
 
 

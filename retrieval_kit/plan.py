@@ -1,0 +1,72 @@
+"""Memory plan of a training run, before it runs: bytes per rank of the parameters (by dtype), their
+gradients and AdamW's state (two moments in the parameter's dtype, and a float32 step per tensor),
+under DDP (every rank holds everything) or FSDP2 (each rank a dim-0 shard, padded: rank 0 holds
+ceil(rows / world) rows of each tensor). Activations and the allocator's slack are not counted.
+
+Printed at start-up and kept in the run header (`memory_plan`); for any model dir or config without
+training (built on the meta device, no memory):
+
+    python -m retrieval_kit.plan --model PATH --world-size 8 --parallel fsdp2 --torch-dtype bf16
+"""
+
+import argparse
+import math
+from collections import Counter
+
+STEP_BYTES = 4  # AdamW's per-tensor step count: a float32 scalar tensor
+
+
+def local_numel(shape, world_size=1, parallel="ddp"):
+    """Elements of one tensor on rank 0: all of it under DDP; under FSDP2 its dim-0 shard."""
+    n = math.prod(shape)
+    if parallel != "fsdp2" or world_size == 1 or not shape:
+        return n
+    return -(-shape[0] // world_size) * (n // shape[0])
+
+
+def memory_plan(model, world_size=1, parallel="ddp"):
+    """{"parallel", "world_size", "params": {dtype: bytes}, "grads", "optimizer", "total"}: bytes on
+    rank 0 for `model` (its trained parameters: requires_grad) under `parallel` over `world_size`."""
+    params, grads, optimizer = Counter(), 0, 0
+    for p in model.parameters():  # a tied weight once
+        n = local_numel(tuple(p.shape), world_size, parallel)
+        size = n * p.element_size()
+        params[str(p.dtype).replace("torch.", "")] += size
+        if p.requires_grad:
+            grads += size
+            optimizer += 2 * size + STEP_BYTES
+    total = sum(params.values()) + grads + optimizer
+    return {"parallel": parallel, "world_size": world_size, "params": dict(params), "grads": grads,
+            "optimizer": optimizer, "total": total}
+
+
+def describe(plan):
+    """One line: what the plan says each rank holds."""
+    gib = lambda b: f"{b / 2 ** 30:.2f} GiB" if b >= 2 ** 30 else f"{b / 2 ** 20:.1f} MiB"  # noqa: E731
+    params = ", ".join(f"{gib(b)} {dtype}" for dtype, b in plan["params"].items())
+    return (f"memory per rank ({plan['parallel']}, world {plan['world_size']}): params {params}; grads "
+            f"{gib(plan['grads'])}; AdamW state {gib(plan['optimizer'])}; total {gib(plan['total'])} before "
+            "activations")
+
+
+def main(argv=None):
+    from .models import load_encoder, load_lm_reranker, load_reranker
+    from .precision import resolve
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="model dir (or a dir holding only its config.json)")
+    ap.add_argument("--kind", choices=("biencoder", "reranker", "lm-reranker"), default="biencoder",
+                    help="what is trained: the encoder, a one-logit classifier, or a causal LM (default biencoder)")
+    ap.add_argument("--world-size", type=int, default=1, help="ranks (default 1)")
+    ap.add_argument("--parallel", choices=("ddp", "fsdp2"), default="ddp", help="default ddp")
+    ap.add_argument("--torch-dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                    help="storage dtype of params and AdamW state, as in the scripts (default auto = fp32)")
+    a = ap.parse_args(argv)
+    storage, _, _ = resolve(a.torch_dtype, False, "none", a.parallel)
+    load = {"biencoder": load_encoder, "reranker": load_reranker, "lm-reranker": load_lm_reranker}[a.kind]
+    model = load(a.model, storage, meta=True)  # shapes and dtypes only
+    print(describe(memory_plan(model, a.world_size, a.parallel)))
+
+
+if __name__ == "__main__":
+    main()
