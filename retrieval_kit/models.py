@@ -142,16 +142,24 @@ def embedding_size(model):
     return dense.linear.out_features if dense is not None else model.config.hidden_size
 
 
-def load_encoder(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False):
-    """Load any Hugging Face encoder directory with AutoModel, in `dtype` (`meta`: built on the meta device)."""
+def load_auto(auto_class, path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False,
+              **config_kw):
+    """`auto_class`.from_pretrained(path) in `dtype` (or built on the meta device: on_meta), one sentence
+    if it cannot load; a config that pins another dtype is cast to `dtype` (the resolved storage dtype wins)."""
     with loading(path, "model"):
         if meta:
-            model = on_meta(AutoModel, path, dtype, trust_remote_code, attn_implementation)
+            model = on_meta(auto_class, path, dtype, trust_remote_code, attn_implementation, **config_kw)
         else:
-            model = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                              **attn_kwargs(attn_implementation))
+            model = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                               **attn_kwargs(attn_implementation), **config_kw)
     if dtype is not None and any(p.dtype != dtype for p in model.parameters()):
-        model.to(dtype)  # some configs pin a dtype; the resolved storage dtype wins
+        model.to(dtype)
+    return model
+
+
+def load_encoder(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False):
+    """Load any Hugging Face encoder directory with AutoModel, in `dtype` (`meta`: built on the meta device)."""
+    model = load_auto(AutoModel, path, dtype, trust_remote_code, attn_implementation, meta)
     if getattr(model, "pooler", None) is not None:
         # BERT-style pooler head: our pooling replaces it, and params that get no grad would stall DDP
         model.pooler.requires_grad_(False)
@@ -267,16 +275,8 @@ def load_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_imple
     (`meta`: built on the meta device)."""
     from transformers import AutoModelForSequenceClassification
 
-    with loading(path, "model"):
-        if meta:
-            model = on_meta(AutoModelForSequenceClassification, path, dtype, trust_remote_code, attn_implementation,
-                            num_labels=1)
-        else:
-            model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=1, dtype=dtype, trust_remote_code=trust_remote_code, **attn_kwargs(attn_implementation))
-    if dtype is not None and any(p.dtype != dtype for p in model.parameters()):
-        model.to(dtype)
-    return model
+    return load_auto(AutoModelForSequenceClassification, path, dtype, trust_remote_code, attn_implementation, meta,
+                     num_labels=1)
 
 
 def load_lm_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False):
@@ -284,15 +284,7 @@ def load_lm_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_im
     built on the meta device."""
     from transformers import AutoModelForCausalLM
 
-    with loading(path, "model"):
-        if meta:
-            model = on_meta(AutoModelForCausalLM, path, dtype, trust_remote_code, attn_implementation)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                         **attn_kwargs(attn_implementation))
-    if dtype is not None and any(p.dtype != dtype for p in model.parameters()):
-        model.to(dtype)
-    return model
+    return load_auto(AutoModelForCausalLM, path, dtype, trust_remote_code, attn_implementation, meta)
 
 
 def lm_token_ids(tokenizer, words):
