@@ -20,7 +20,6 @@ import torch.distributed.nn.functional  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-
 @dataclass
 class DistContext:
     rank: int
