@@ -56,7 +56,7 @@ class KitParser(argparse.ArgumentParser):
             if hints:
                 message += "\n" + "\n".join(hints)
         # one message, not the 60-line usage block first
-        self.exit(2, f"{self.prog}: error: {message}\n(--help lists every flag; docs/flags.md)\n")
+        self.exit(2, f"{self.prog}: error: {message}\n(--help lists every flag)\n")
 
     def hint(self, token):
         import difflib

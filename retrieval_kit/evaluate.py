@@ -141,7 +141,7 @@ def rerank(run, model, tokenizer, settings, beir, top_k=10, batch_size=16, devic
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.KitParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="bi-encoder dir (default: the bundled all-MiniLM-L6-v2)")
     ap.add_argument("--beir", default="data/eval", help="BEIR folder: corpus.jsonl, queries.jsonl, qrels/")
     ap.add_argument("--split", default="test", help="qrels file name under qrels/ (default test)")

@@ -60,7 +60,7 @@ def main(argv=None):
     from .formats import read_corpus
     from .models import default_model_dir, load_encoder, load_tokenizer
 
-    ap = argparse.ArgumentParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.KitParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", required=True, help="training JSONL (any format the scripts read) whose queries and "
                     "positives are mined for; docs may be ids into --corpus")
     ap.add_argument("--corpus", default=None, help="BEIR corpus.jsonl where doc ids in --input resolve, as in "

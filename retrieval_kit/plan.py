@@ -50,11 +50,12 @@ def describe(plan):
 
 
 def main(argv=None):
+    from . import cli, flags
     from .models import load_encoder, load_lm_reranker, load_reranker
     from .precision import resolve
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="model dir (or a dir holding only its config.json)")
+    ap = cli.KitParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, type=flags.model_path, help="model dir (or a dir holding only its config.json)")
     ap.add_argument("--kind", choices=("biencoder", "reranker", "lm-reranker"), default="biencoder",
                     help="what is trained: the encoder, a one-logit classifier, or a causal LM (default biencoder)")
     ap.add_argument("--world-size", type=int, default=1, help="ranks (default 1)")

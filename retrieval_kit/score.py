@@ -25,7 +25,7 @@ import shutil
 import torch
 from tqdm import tqdm
 
-from . import dist, flags
+from . import cli, dist, flags
 
 MANIFEST = "manifest.json"
 
@@ -121,7 +121,7 @@ def main(argv=None):
     from .records import read_records
     from .formats import read_corpus
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.KitParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=flags.model_path, required=True,
                     help="an exported model dir (final/ of train_reranker.py or train_biencoder.py)")
     ap.add_argument("--input", required=True, help="training records, any format the scripts read")
