@@ -12,13 +12,14 @@ checkpoints and final/ (an exported model dir).
 import functools
 import os
 
-from retrieval_kit import ckpt, cli, data, dist, evaluate, log, loop, optim, plan, precision, records
+from retrieval_kit import ckpt, cli, data, dist, evaluate, log, loop, lora, optim, plan, precision, records
 from retrieval_kit.collate import biencoder_inputs
 from retrieval_kit.export import export_model, model_card
 from retrieval_kit.formats import exit_on_data_error
 from retrieval_kit.losses import biencoder_loss, contrastive_loss, matryoshka, matryoshka_plan
 from retrieval_kit.metrics import WindowedAverage
-from retrieval_kit.models import BiEncoder, default_model_dir, embedding_size, load_encoder, load_once, load_tokenizer
+from retrieval_kit.models import (BiEncoder, default_model_dir, embedding_size, load_encoder, load_once, load_tokenizer,
+                                  prepare_embedder)
 
 
 def parse_args(argv=None):
@@ -40,8 +41,7 @@ def main():
     gather = args.gather_negatives if args.gather_negatives is not None else ctx.world_size > 1
 
     # ----- model in the storage dtype; resume, part 1: weights -> cast --------------------------
-    storage_dtype, compute_dtype, autocast_dtype = precision.resolve(args.torch_dtype, args.force_fp32_params,
-                                                                     args.compute_dtype, args.parallel)
+    storage_dtype, compute_dtype, autocast_dtype = cli.precision_dtypes(args)  # precision.resolve
     model_dir = args.model or default_model_dir()
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
     encoder, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
@@ -49,9 +49,10 @@ def main():
         args.parallel == "fsdp2", ctx)
     dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights, embedding_size(encoder))
     settings = evaluate.biencoder_settings(model_dir, cli.setting_overrides(args))  # says what the dir set
+    settings.update(prepare_embedder(tokenizer, encoder, settings["pooling"], args.append_eos, args.bidirectional))
+    lora_info = lora.apply_each((encoder, source), **cli.lora_settings(args, model_dir, storage_dtype))  # or None
     resume_dir = ckpt.start_run(**cli.resume_request(args), run_args=vars(args), neutral=cli.run_neutral())
-    if resume_dir and source is not None:
-        ckpt.restore_model(source, resume_dir, storage_dtype)
+    ckpt.restore_model(source, resume_dir, storage_dtype)  # a resume: weights (rank 0's under FSDP2) -> cast
 
     # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------
     model, eval_model = dist.wrap(BiEncoder(encoder, settings["pooling"], settings["normalize"]), encoder, ctx,
@@ -96,7 +97,7 @@ def main():
                        n_train=sum(len(f.records) for f in files), n_val=len(val_records),
                        train_files=args.train_mixture, steps_per_epoch=dataset.steps_per_epoch,
                        num_workers=args.num_workers, flops_per_token=log.flops_per_token(encoder),
-                       memory_plan=plan.memory_plan(encoder, ctx.world_size, args.parallel),
+                       memory_plan=plan.memory_plan(encoder, ctx.world_size, args.parallel), lora=lora_info,
                        summary=f"world {ctx.world_size} on {ctx.device}; {data.describe_files(files)}, "
                                f"{len(val_records)} val; {args.batch_size * ctx.world_size * args.grad_accum_steps} "
                                f"queries x {args.n_passages} passages per step; {args.parallel}, storage "

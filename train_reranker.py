@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from retrieval_kit import ckpt, cli, data, dist, log, loop, optim, plan, precision, records
+from retrieval_kit import ckpt, cli, data, dist, log, loop, lora, optim, plan, precision, records
 from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, TEMPLATE_PRESETS, pair_layout, rerank_inputs
 from retrieval_kit.export import export_reranker, kit_only_reasons, model_card
 from retrieval_kit.formats import exit_on_data_error
@@ -91,8 +91,7 @@ def main():
         cli.data_spec(args, cli.RERANKER_PROMPT_KEYS), ctx.world_size)  # the mixture: kept with the args
 
     # ----- model in the storage dtype, how pairs become tokens; resume, part 1: weights -> cast ---
-    storage_dtype, compute_dtype, autocast_dtype = precision.resolve(args.torch_dtype, args.force_fp32_params,
-                                                                     args.compute_dtype, args.parallel)
+    storage_dtype, compute_dtype, autocast_dtype = cli.precision_dtypes(args)  # precision.resolve
     model_dir = args.model or default_model_dir()
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
     if args.padding_side != "auto" or args.head == "lm":  # an LM head scores after the last token: pad left
@@ -110,10 +109,11 @@ def main():
     for reason in kit_only_reasons(args.pooling, args.bidirectional, args.head):
         dist.print0(f"warning: kit-only reranker: {reason}; score the export with retrieval_kit, not "
                     "AutoModelForSequenceClassification or CrossEncoder")
+    lora_info = lora.apply_each((net, source), train=fresh_head_params if args.head == "classifier" else None,
+                                **cli.lora_settings(args, model_dir, storage_dtype))  # None without --lora-rank
     torch.manual_seed(args.seed + ctx.rank)  # from here on (dropout) each rank draws its own numbers
     resume_dir = ckpt.start_run(**cli.resume_request(args), run_args=vars(args), neutral=cli.run_neutral())
-    if resume_dir and source is not None:
-        ckpt.restore_model(source, resume_dir, storage_dtype)
+    ckpt.restore_model(source, resume_dir, storage_dtype)  # a resume: weights (rank 0's under FSDP2) -> cast
 
     # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------
     model, eval_model = dist.wrap(CrossEncoder(net, args.pooling, lm_ids), net, ctx,
@@ -155,7 +155,7 @@ def main():
                        n_train=sum(len(f.records) for f in files), train_files=args.train_mixture,
                        n_val=len(val_records), steps_per_epoch=dataset.steps_per_epoch, num_workers=args.num_workers,
                        flops_per_token=log.flops_per_token(net),
-                       memory_plan=plan.memory_plan(net, ctx.world_size, args.parallel),
+                       memory_plan=plan.memory_plan(net, ctx.world_size, args.parallel), lora=lora_info,
                        summary=f"world {ctx.world_size} on {ctx.device}; {data.describe_files(files)}, "
                                f"{len(val_records)} val; {args.batch_size * ctx.world_size * args.grad_accum_steps} "
                                f"queries x {args.n_passages} pairs per step; {args.parallel}, storage "

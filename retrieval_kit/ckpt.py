@@ -31,6 +31,7 @@ from safetensors.torch import load_model, save_file
 
 from . import flags
 from .dist import barrier, is_fsdp, rank, unwrap, world_size
+from .lora import has_lora, trained_state_dict
 
 
 def rng_state():
@@ -136,7 +137,10 @@ def _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, arg
         os.makedirs(tmp)
     barrier()
     torch.save(rng_state(), os.path.join(tmp, f"rng_rank{me}.pt"))
-    weights = None if dcp_model else full_state_dict(model)  # collective under FSDP2
+    lora = has_lora(unwrap(model))  # LoRA: only what is trained (adapters, a fresh head), not the frozen base
+    dcp_model = dcp_model and not lora
+    weights = trained_state_dict(unwrap(model)) if lora else None if dcp_model else full_state_dict(model)  # collective
+
     if _sharded(wrapped):  # every rank writes its own shards; DCP reshards on load, for any rank count
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -157,7 +161,7 @@ def _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, arg
 
         meta = {"step": step, "loop": loop_state, "args": args, "world_size": world_size(), "torch": torch.__version__,
                 "optimizer_format": "dcp" if _sharded(wrapped) else "torch",
-                "model_format": "dcp" if dcp_model else "safetensors",
+                "model_format": "dcp" if dcp_model else "safetensors", "model_subset": "trained" if lora else "all",
                 "transformers": transformers.__version__, "complete": True, "files": file_sums(tmp)}
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f, indent=2, default=str)
@@ -358,10 +362,33 @@ def restore_model(model, ckpt_dir, storage_dtype):
     """Resume, part 1 (before wrapping): weights into the raw HF model, then cast it to the storage
     dtype. A checkpoint with DCP model shards (--sharded-checkpoints) loads them after wrapping
     instead, into the shards (load_training_state): nothing to do here."""
-    if load_meta(ckpt_dir).get("model_format") == "dcp":
+    if model is None or ckpt_dir is None:  # no resume, or a rank that did not load (FSDP2): nothing to do
         return
+    meta = load_meta(ckpt_dir)
+    if meta.get("model_format") == "dcp":
+        return
+    if meta.get("model_subset") == "trained":  # LoRA: the adapters and head into a base loaded as at the start
+        return load_trained_weights(model, ckpt_dir)
+    if has_lora(unwrap(model)):
+        raise SystemExit(f"{ckpt_dir}: a full fine-tuning checkpoint (it holds every weight): resume it without "
+                         "--lora-rank")
     load_model_weights(model, ckpt_dir)
     model.to(storage_dtype)
+
+
+def load_trained_weights(model, ckpt_dir):
+    """A LoRA checkpoint's params (what is trained) into `model`, each keeping its dtype; every trained
+    param must be there, and nothing else."""
+    from safetensors.torch import load_file
+
+    state = load_file(os.path.join(ckpt_dir, "model.safetensors"))
+    trained = {n: p for n, p in unwrap(model).named_parameters() if p.requires_grad}
+    shapes = [k for k in state if k in trained and tuple(state[k].shape) != tuple(trained[k].shape)]
+    if set(state) != set(trained) or shapes:
+        raise SystemExit(f"{ckpt_dir}: its weights are not this run's trained params (missing "
+                         f"{sorted(set(trained) - set(state))[:3]}, unexpected {sorted(set(state) - set(trained))[:3]}, "
+                         f"other shapes {shapes[:3]}): resume it with the same --lora-* flags and --model")
+    unwrap(model).load_state_dict(state, strict=False)
 
 
 def load_model_dcp(wrapped, ckpt_dir):

@@ -253,7 +253,8 @@ def add_precision_args(parser):
     flag(g, "--torch-dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
          help="storage dtype of params and AdamW state (default auto = fp32 master weights)")
     flag(g, "--force-fp32-params", action="store_true",
-         help="params and AdamW moments fp32, whatever the load or checkpoint dtype")
+         help="params and AdamW moments fp32, whatever the load or checkpoint dtype; with --lora-rank: what is "
+              "trained (adapters, a fresh head) in fp32, while --torch-dtype stores the frozen base")
     flag(g, "--compute-dtype", "--autocast-dtype", dest="compute_dtype",
          choices=("auto", "none", "bf16", "fp16"), default="auto",
          help="compute dtype: torch.autocast under DDP, the MixedPrecisionPolicy param dtype under "
@@ -300,6 +301,42 @@ def add_dist_args(parser):
          help="recompute each layer's activations in backward instead of storing them")
     flag(g, "--compile", action="store_true", help="torch.compile the model before wrapping")
     return g
+
+
+def add_lora_args(parser, head_note=""):
+    """LoRA flags (both scripts, and retrieval_kit.plan)."""
+    from .lora import DEFAULT_TARGETS
+
+    g = parser.add_argument_group("LoRA")
+    flag(g, "--lora-rank", type=flags.nonneg_int, default=0,
+         help="train rank-r LoRA adapters on a frozen base instead of every weight (0 = off, full fine-tuning; "
+              f"default 0){head_note}")
+    flag(g, "--lora-alpha", type=flags.positive_float, default=None,
+         help="LoRA scaling numerator: updates are scaled by alpha / rank (default 2 x --lora-rank)")
+    flag(g, "--lora-dropout", type=flags.fraction, default=0.1, help="dropout on the adapters' input (default 0.1)")
+    flag(g, "--lora-targets", type=flags.listed(str), default=list(DEFAULT_TARGETS),
+         help="last names of the linear layers that get adapters (default: Llama / Qwen / Mistral attention and "
+              f"MLP projections and BERT's attention: {','.join(DEFAULT_TARGETS)})")
+    flag(g, "--export-adapter", action="store_true", neutral=True,
+         help="also write final/adapter/: a peft LoRA adapter dir (PeftModel.from_pretrained(base, dir)); final/ "
+              "itself is always the merged model, which every loader reads")
+    return g
+
+
+def precision_dtypes(args):
+    """(storage, compute or None, autocast or None) dtypes from the precision flags (precision.resolve)."""
+    from .precision import resolve
+
+    return resolve(args.torch_dtype, args.force_fp32_params, args.compute_dtype, args.parallel, args.lora_rank > 0)
+
+
+def lora_settings(args, base_model, storage_dtype):
+    """The keyword arguments of lora.apply_each that come from flags."""
+    from .precision import trained_dtype
+
+    return dict(rank=args.lora_rank, alpha=args.lora_alpha or 2 * args.lora_rank, dropout=args.lora_dropout,
+                targets=tuple(args.lora_targets), dtype=trained_dtype(storage_dtype, args.force_fp32_params),
+                seed=args.seed, base_model=base_model, adapter=args.export_adapter)
 
 
 def wrap_settings(args):
@@ -379,9 +416,16 @@ def biencoder_parser(description=None):
     g = p.add_argument_group("model")
     add_model_args(g)
     add_biencoder_setting_args(g, training=True)
+    flag(g, "--append-eos", action=argparse.BooleanOptionalAction, default=None,
+         help="decoders: end each text with the EOS token, through the tokenizer's post-processor (so the export's "
+              "tokenizer does too); decoders always pad on the left (default: on for a decoder with last pooling)")
+    flag(g, "--bidirectional", action="store_true",
+         help="drop a decoder's causal mask (attend both ways, as NeMo Automodel's Llama bi-encoder); saved in the "
+              "export's config.json (is_causal false), which transformers and sentence-transformers honour")
     add_biencoder_loss_args(p.add_argument_group("loss"))
     add_optim_args(p, lr=5e-5, max_steps=60, warmup_steps=6)
     add_precision_args(p)
+    add_lora_args(p)
     add_dist_args(p)
     add_beir_eval_args(add_run_args(p, val_batch_size=32))
     add_ckpt_args(p, output_dir="runs/biencoder")
@@ -422,6 +466,7 @@ def reranker_parser(description=None):
     add_reranker_loss_args(p.add_argument_group("loss"), RERANK_LOSSES)
     add_optim_args(p, lr=2e-4, max_steps=60, warmup_steps=6)
     add_precision_args(p)
+    add_lora_args(p, "; a fresh classifier head is trained in full")
     add_dist_args(p)
     add_run_args(p, val_batch_size=16)
     add_ckpt_args(p, output_dir="runs/reranker")
@@ -452,6 +497,10 @@ def parse(parser, argv=None):
     if args.grad_cache and args.static_graph:
         raise SystemExit("--grad-cache runs several forward/backward passes per step, which DDP's --static-graph "
                          "does not allow; drop one of them")
+    if not args.lora_rank:
+        for name in ("lora_alpha", "export_adapter"):
+            if getattr(args, name):
+                raise SystemExit(f"--{name.replace('_', '-')}: only with --lora-rank (LoRA is off)")
     return args
 
 

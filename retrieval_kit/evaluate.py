@@ -25,9 +25,9 @@ from .formats import read_corpus, read_qrels, read_queries
 from .encode import encode_shard, encode_sharded, rerank_groups
 from .export import load_exported_reranker
 from .metrics import rank_docs, retrieval_metrics
-from .models import default_model_dir, load_encoder, load_tokenizer
+from .models import decoder_dir, default_model_dir, load_encoder, load_tokenizer, prepare_embedder
 from .search import sharded_topk
-from .st_format import load_settings, resolve_biencoder_settings
+from .st_format import KIT_DEFAULTS, load_settings, resolve_biencoder_settings
 
 
 def _beir_file(path):
@@ -48,9 +48,11 @@ def load_beir(beir_dir, split="test"):
 
 def biencoder_settings(model_dir, flags):
     """Pooling, normalization, prefixes and max lengths: explicit flags (not None), else the export's
-    retrieval_kit.json, else the dir's sentence-transformers files, else the kit's defaults; prints
-    what it read from sentence-transformers files."""
-    settings, read = resolve_biencoder_settings(model_dir, flags)
+    retrieval_kit.json, else the dir's sentence-transformers files, else the kit's defaults (a decoder's
+    pooling: last, the token that has read the whole text); prints what it read from
+    sentence-transformers files."""
+    defaults = {**KIT_DEFAULTS, "pooling": "last"} if decoder_dir(model_dir) else KIT_DEFAULTS
+    settings, read = resolve_biencoder_settings(model_dir, flags, defaults)
     if read:
         dist.print0(read)
     return settings
@@ -172,6 +174,7 @@ def main(argv=None):
     settings = biencoder_settings(model_dir, vars(args))
     tok = load_tokenizer(model_dir, args.trust_remote_code)
     enc = load_encoder(model_dir, torch.float32, args.trust_remote_code).to(ctx.device)
+    prepare_embedder(tok, enc, settings["pooling"])  # a decoder: pad token, left padding, EOS for last pooling
     dims = args.truncate_dims if args.truncate_dims is not None else load_settings(model_dir).get("matryoshka_dims", [])
     runs = retrieve_dims(enc, tok, settings, beir, [None, *dims], args.k, args.batch_size, ctx.device, ctx.is_main)
     run = runs.pop(None)

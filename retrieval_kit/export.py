@@ -29,6 +29,7 @@ from .ckpt import full_state_dict
 from .collate import PAIR, tokenize_bare, pair_layout, pair_post_processor
 from .dist import barrier, rank, unwrap
 from .flags import os_reason
+from .lora import merged_state_dict, write_adapter
 from .st_format import SETTINGS_FILE, load_settings, write_st_files
 
 IDENTITY = "torch.nn.modules.linear.Identity"  # sentence-transformers' activation_fn path for raw logits
@@ -58,10 +59,17 @@ def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None):
     complete but is not. `card`: the model card (README.md, model_card), as the hub shows it."""
 
     weights = full_state_dict(model)  # collective under FSDP2
+    lora = getattr(unwrap(model), "lora", None)
+    trained = [n for n, p in unwrap(model).named_parameters() if p.requires_grad]
     stage = staging(out_dir)
     if rank() == 0:
         shutil.rmtree(stage, ignore_errors=True)
         os.makedirs(stage)
+        if lora:  # the merged model for every loader; with --export-adapter also peft's adapter dir
+            if lora["adapter"]:
+                write_adapter(os.path.join(stage, "adapter"), weights, lora, lora["base_model"], trained)
+            weights = merged_state_dict(weights, lora)
+            settings = {**settings, "lora": lora}
         dense = getattr(unwrap(model), "st_dense", None)  # a sentence-transformers Dense: its own module dir
         dense_weights = {k[len("st_dense."):]: weights.pop(k) for k in list(weights) if k.startswith("st_dense.")}
         unwrap(model).save_pretrained(stage, state_dict=weights, safe_serialization=True)
@@ -190,7 +198,7 @@ def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False, 
     reasons = kit_only_reasons(settings["pooling"], settings.get("bidirectional", False),
                                settings.get("head", "classifier"))
     settings = dict(settings, score_activation="identity", tokenizer_pairs=False, portable=False,
-                    kit_only=reasons)
+                    kit_only=reasons, lora=getattr(unwrap(net), "lora", None))
     export_model(out_dir, net, tokenizer, settings, publish=False, card=card)  # collective under FSDP2
     final, out_dir = out_dir, staging(out_dir)  # finished in the staging dir, then published
     if rank() == 0:

@@ -58,7 +58,7 @@ def main(argv=None):
     from . import cli
     from .evaluate import biencoder_settings
     from .formats import read_corpus
-    from .models import default_model_dir, load_encoder, load_tokenizer
+    from .models import default_model_dir, load_encoder, load_tokenizer, prepare_embedder
 
     ap = cli.KitParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", required=True, help="training JSONL (any format the scripts read) whose queries and "
@@ -104,6 +104,7 @@ def main(argv=None):
     s = biencoder_settings(model_dir, vars(args))
     tok = load_tokenizer(model_dir)
     enc = load_encoder(model_dir).to(ctx.device)
+    prepare_embedder(tok, enc, s["pooling"])  # a decoder: pad token, left padding, EOS for last pooling
     p_emb = encode_sharded(enc, tok, texts, s["passage_max_length"], s["passage_prefix"], args.batch_size,
                            s["pooling"], s["normalize"], ctx.device, ctx.is_main, "corpus")
     q_emb = encode_sharded(enc, tok, [r.query for r in records], s["query_max_length"], s["query_prefix"],

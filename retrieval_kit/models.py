@@ -270,6 +270,82 @@ def is_decoder_only(config):
     return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
+def decoder_dir(path):
+    """Is the model in dir `path` a decoder (is_decoder_only), by its config.json (False without one)?"""
+    import json
+    from types import SimpleNamespace
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return is_decoder_only(SimpleNamespace(model_type=model_type))
+
+
+def appends_eos(tokenizer):
+    """Does the tokenizer end each single text with its EOS token?"""
+    from .collate import special_tokens_around
+
+    suffix = special_tokens_around(tokenizer)[1]
+    return bool(suffix) and suffix[-1] == tokenizer.eos_token_id
+
+
+def append_eos_token(tokenizer):
+    """Make `tokenizer(text)` end with EOS (its other specials kept: `<s> text </s>`), as Tevatron's
+    `--append_eos_token` and Qwen3-Embedding's tokenizer do, so a last-token embedding reads a state
+    that has seen the whole text. The change is the tokenizer's own post-processor, so the export's
+    tokenizer (and SentenceTransformer loading it) encodes the same ids."""
+    from tokenizers import processors
+
+    from .collate import special_tokens_around
+
+    if tokenizer.eos_token_id is None:
+        raise SystemExit(f"{type(tokenizer).__name__} has no EOS token to append: pass --no-append-eos")
+    if appends_eos(tokenizer):
+        return tokenizer
+    if not getattr(tokenizer, "is_fast", False):
+        raise SystemExit(f"{type(tokenizer).__name__} is not a fast (tokenizers) tokenizer: the kit appends EOS "
+                         "through its post-processor; pass --no-append-eos")
+    prefix, suffix = special_tokens_around(tokenizer)
+    ids = prefix + suffix + [tokenizer.eos_token_id]
+    names = tokenizer.convert_ids_to_tokens(ids)
+    pre, post = names[:len(prefix)], names[len(prefix):]
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=" ".join(pre + ["$A"] + post), pair=" ".join(pre + ["$A"] + post + ["$B:1"] + [f"{t}:1" for t in post]),
+        special_tokens=sorted(set(zip(names, ids)), key=lambda t: t[1]))
+    if "add_eos_token" in tokenizer.init_kwargs:  # saved and rebuilt from on load (Llama-style tokenizers)
+        tokenizer.init_kwargs["add_eos_token"] = True
+        object.__setattr__(tokenizer, "_add_eos_token", True)
+    if not appends_eos(tokenizer):
+        raise SystemExit(f"{type(tokenizer).__name__}: could not make it append EOS; pass --no-append-eos")
+    return tokenizer
+
+
+def prepare_embedder(tokenizer, model, pooling, append_eos=None, bidirectional=False):
+    """A bi-encoder's tokenizer and model made ready for their architecture; returns what was done,
+    for the run header. A decoder (Llama, Qwen, Mistral, ...) gets a pad token if it has none, pads
+    on the left (every row's last real token in the last column), and with `pooling` last appends
+    EOS to each text unless `append_eos` is False (None = auto); `bidirectional` drops its causal
+    mask. An encoder refuses both flags with a sentence."""
+    decoder = is_decoder_only(model.config)
+    if not decoder:
+        for flag, on in (("--append-eos", append_eos), ("--bidirectional", bidirectional)):
+            if on:
+                raise SystemExit(f"{flag}: {type(model).__name__} is an encoder ({model.config.model_type}); the flag "
+                                 "is for decoder models (Llama, Qwen, Mistral, ...)")
+        return {"decoder": False}
+    setup_pad_token(tokenizer, model)
+    tokenizer.padding_side = "left"
+    eos = pooling == "last" if append_eos is None else append_eos
+    if eos:
+        append_eos_token(tokenizer)
+    if bidirectional:
+        make_bidirectional(model)
+    return {"decoder": True, "append_eos": bool(eos) or appends_eos(tokenizer), "padding_side": "left",
+            "bidirectional": bool(bidirectional) or getattr(model.config, "is_causal", True) is False}
+
+
 def load_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False):
     """AutoModelForSequenceClassification with one logit; an encoder checkpoint gets a fresh head
     (`meta`: built on the meta device)."""

@@ -30,24 +30,31 @@ def parse_dtype(name):
     return DTYPES[name]
 
 
-def resolve_storage_dtype(torch_dtype=None, force_fp32_params=False):
+def resolve_storage_dtype(torch_dtype=None, force_fp32_params=False, lora=False):
     """The dtype params are stored (and AdamW moments kept) in.
 
     fp32 unless the user asks otherwise; `force_fp32_params` overrides and conflicts with an
-    explicit non-fp32 `torch_dtype`.
+    explicit non-fp32 `torch_dtype`, except under LoRA: there `torch_dtype` is the frozen base's
+    and `force_fp32_params` keeps what is trained (adapters, a fresh head) in fp32 (trained_dtype).
     """
     explicit = parse_dtype(torch_dtype)
-    if force_fp32_params:
+    if force_fp32_params and not lora:
         if explicit not in (None, torch.float32):
             raise SystemExit(f"--force-fp32-params conflicts with --torch-dtype {torch_dtype}: drop one of them")
         return torch.float32
     return explicit or torch.float32
 
 
-def resolve(torch_dtype, force_fp32_params, compute_dtype, parallel):
+def trained_dtype(storage, force_fp32_params):
+    """The dtype of what LoRA trains (adapters, a fresh head) and their AdamW moments: fp32 under
+    --force-fp32-params, else the storage dtype."""
+    return torch.float32 if force_fp32_params else storage
+
+
+def resolve(torch_dtype, force_fp32_params, compute_dtype, parallel, lora=False):
     """(storage dtype, compute dtype or None, autocast dtype or None) from the precision flags: under
     DDP the compute dtype is autocast's; under FSDP2 it is the MixedPrecisionPolicy's (mp_policy)."""
-    storage = resolve_storage_dtype(torch_dtype, force_fp32_params)
+    storage = resolve_storage_dtype(torch_dtype, force_fp32_params, lora)
     compute = parse_dtype(compute_dtype)
     if torch.float16 in (storage, compute):  # issue 16: no loss scaling yet
         flag = f"--torch-dtype {torch_dtype}" if storage == torch.float16 else f"--compute-dtype {compute_dtype}"

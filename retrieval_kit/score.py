@@ -53,11 +53,12 @@ class Scorer:
             model, self.tokenizer, self.settings = load_exported_reranker(model_dir, torch.float32, trust_remote_code)
         elif self.kind == "biencoder":
             from .evaluate import biencoder_settings
-            from .models import load_encoder, load_tokenizer
+            from .models import load_encoder, load_tokenizer, prepare_embedder
 
             self.settings = biencoder_settings(model_dir, {})
             self.tokenizer = load_tokenizer(model_dir, trust_remote_code)
             model = load_encoder(model_dir, torch.float32, trust_remote_code)
+            prepare_embedder(self.tokenizer, model, self.settings["pooling"])
         else:
             raise SystemExit(f"--model {model_dir}: not an export of train_reranker.py or train_biencoder.py (its "
                              "retrieval_kit.json, which says how to score, is missing or names no kind)")

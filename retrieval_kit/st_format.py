@@ -143,9 +143,9 @@ def load_settings(model_dir):
         return json.load(f)
 
 
-def resolve_biencoder_settings(model_dir, flags):
+def resolve_biencoder_settings(model_dir, flags, defaults=KIT_DEFAULTS):
     """(settings, message): each of SETTING_KEYS from the explicit flag (not None), else the kit's
-    retrieval_kit.json, else the dir's sentence-transformers files, else KIT_DEFAULTS. `message`
+    retrieval_kit.json, else the dir's sentence-transformers files, else `defaults`. `message`
     says what was read from the sentence-transformers files (None when nothing was)."""
     kit, st = load_settings(model_dir), read_st_settings(model_dir)
     out, from_st = {}, {}
@@ -157,7 +157,7 @@ def resolve_biencoder_settings(model_dir, flags):
         elif k in st:
             out[k] = from_st[k] = st[k]
         else:
-            out[k] = KIT_DEFAULTS[k]
+            out[k] = defaults[k]
     if out["include_prompt"] is False:  # the prefixes' tokens stay out of the pooling (collate.tokenize)
         from .collate import PooledWithout
 
