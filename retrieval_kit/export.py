@@ -29,7 +29,7 @@ from .ckpt import full_state_dict
 from .collate import PAIR, tokenize_bare, pair_layout, pair_post_processor
 from .dist import barrier, rank, unwrap
 from .flags import os_reason
-from .lora import merged_state_dict, write_adapter
+from .lora import merged_state_dict, widest_dtype, write_adapter
 from .st_format import SETTINGS_FILE, load_settings, write_st_files
 
 IDENTITY = "torch.nn.modules.linear.Identity"  # sentence-transformers' activation_fn path for raw logits
@@ -73,6 +73,9 @@ def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None):
         dense = getattr(unwrap(model), "st_dense", None)  # a sentence-transformers Dense: its own module dir
         dense_weights = {k[len("st_dense."):]: weights.pop(k) for k in list(weights) if k.startswith("st_dense.")}
         unwrap(model).save_pretrained(stage, state_dict=weights, safe_serialization=True)
+        if lora:  # config.json names the first param's dtype; the merged weights are all in the widest
+            _edit_json(os.path.join(stage, "config.json"),
+                       lambda c: c.update(dtype=str(widest_dtype(weights)).replace("torch.", "")))
         tokenizer.save_pretrained(stage)
         if settings.get("kind") == "biencoder":
             warnings = write_st_files(stage, settings, unwrap(model).config.hidden_size,

@@ -118,11 +118,19 @@ def trained_state_dict(model):
     return out
 
 
+def widest_dtype(state):
+    """The widest floating dtype among the tensors of `state` (fp32 over bf16)."""
+    return max((v.dtype for v in state.values() if v.is_floating_point()), key=lambda d: torch.finfo(d).bits)
+
+
 def merged_state_dict(state, lora):
     """A full state dict with LoRA keys (peft's names) turned into the base model's own keys: each
-    `X.base_layer.weight` becomes `X.weight` = W + (alpha / r) * B @ A (computed in fp32, stored in
-    W's dtype), `X.base_layer.bias` becomes `X.bias`, and the adapter keys go."""
+    `X.base_layer.weight` becomes `X.weight` = W + (alpha / r) * B @ A (computed in fp32), `X.base_layer.bias`
+    becomes `X.bias`, and the adapter keys go. Every tensor is stored in the widest dtype of the run's
+    params (widest_dtype): a bf16 base with fp32 adapters merges into fp32 weights, since rounding
+    W + BA to bf16 would round most of a small update away."""
     scaling = lora["alpha"] / lora["rank"]
+    dtype = widest_dtype(state)
     out = {}
     for k, v in state.items():
         if ".lora_A." in k or ".lora_B." in k:
@@ -131,9 +139,9 @@ def merged_state_dict(state, lora):
             prefix, _, leaf = k.partition(".base_layer.")
             if leaf == "weight":
                 a, b = state[f"{prefix}.lora_A.weight"].float(), state[f"{prefix}.lora_B.weight"].float()
-                v = (v.float() + scaling * (b @ a)).to(v.dtype)
+                v = v.float() + scaling * (b @ a)
             k = f"{prefix}.{leaf}"
-        out[k] = v
+        out[k] = v.to(dtype) if v.is_floating_point() else v
     return out
 
 

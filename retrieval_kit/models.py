@@ -336,7 +336,7 @@ def prepare_embedder(tokenizer, model, pooling, append_eos=None, bidirectional=F
                                  "is for decoder models (Llama, Qwen, Mistral, ...)")
         return {"decoder": False}
     setup_pad_token(tokenizer, model)
-    tokenizer.padding_side = "left"
+    tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"  # init_kwargs: saved with the tokenizer
     eos = pooling == "last" if append_eos is None else append_eos
     if eos:
         append_eos_token(tokenizer)

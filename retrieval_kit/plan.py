@@ -7,6 +7,7 @@ Printed at start-up and kept in the run header (`memory_plan`); for any model di
 training (built on the meta device, no memory):
 
     python -m retrieval_kit.plan --model PATH --world-size 8 --parallel fsdp2 --torch-dtype bf16
+    python -m retrieval_kit.plan --model PATH --lora-rank 16 --torch-dtype bf16 --force-fp32-params
 """
 
 import argparse
@@ -50,9 +51,9 @@ def describe(plan):
 
 
 def main(argv=None):
-    from . import cli, flags
-    from .models import load_encoder, load_lm_reranker, load_reranker
-    from .precision import resolve
+    from . import cli, flags, lora
+    from .models import fresh_head_params, load_encoder, load_lm_reranker, load_reranker
+    from .precision import resolve, trained_dtype
 
     ap = cli.KitParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=flags.model_path, help="model dir (or a dir holding only its config.json)")
@@ -62,10 +63,18 @@ def main(argv=None):
     ap.add_argument("--parallel", choices=("ddp", "fsdp2"), default="ddp", help="default ddp")
     ap.add_argument("--torch-dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                     help="storage dtype of params and AdamW state, as in the scripts (default auto = fp32)")
+    ap.add_argument("--force-fp32-params", action="store_true",
+                    help="as in the scripts: fp32 params; with --lora-rank, what is trained in fp32")
+    g = ap.add_argument_group("LoRA")
+    for name in ("--lora-rank", "--lora-targets"):  # the scripts' flags, with their help
+        action = next(x for x in cli.biencoder_parser()._actions if name in x.option_strings)
+        g.add_argument(name, type=action.type, default=action.default, help=action.help)
     a = ap.parse_args(argv)
-    storage, _, _ = resolve(a.torch_dtype, False, "none", a.parallel)
+    storage, _, _ = resolve(a.torch_dtype, a.force_fp32_params, "none", a.parallel, a.lora_rank > 0)
     load = {"biencoder": load_encoder, "reranker": load_reranker, "lm-reranker": load_lm_reranker}[a.kind]
     model = load(a.model, storage, meta=True)  # shapes and dtypes only
+    lora.apply_each([model], a.lora_rank, train=fresh_head_params if a.kind == "reranker" else None, alpha=1.0,
+                    targets=tuple(a.lora_targets), dtype=trained_dtype(storage, a.force_fp32_params))
     print(describe(memory_plan(model, a.world_size, a.parallel)))
 
 

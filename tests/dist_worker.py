@@ -21,7 +21,7 @@ import torch.distributed as tdist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from transformers import AutoTokenizer  # noqa: E402
 
-from retrieval_kit import ckpt, data, dist, loop, optim, precision  # noqa: E402
+from retrieval_kit import ckpt, data, dist, lora, loop, optim, precision  # noqa: E402
 from retrieval_kit.records import read_records  # noqa: E402
 from retrieval_kit.chunking import chunk_batch  # noqa: E402
 from retrieval_kit.collate import collate_biencoder, collate_rerank  # noqa: E402
@@ -206,6 +206,29 @@ def main():
     compare("ddp_grad_cache_accum2", run_bi(ctx, enc0, tok, steps, "ddp", accum=2, grad_cache=24), ref_acc)
     # control: without the gather each rank only sees its own passages - the check must notice
     compare("control_no_gather", run_bi(ctx, enc0, tok, steps, "ddp", gather=False), ref)
+
+    # ----- LoRA (issue 26): adapters on the frozen base, under DDP, FSDP2, GradCache + accumulation and
+    # activation checkpointing, vs one process; lora_B drawn non-zero so every adapter gets a gradient
+    lora0 = copy.deepcopy(enc0)
+    lora.apply_lora(lora0, 4, 8)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in lora0.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    base_grads = lambda got: {"grads_on_base": sum(".lora_" not in k for k in got[3])}  # noqa: E731
+    ref_lora, ref_lora_acc = reference_bi(lora0, tok, steps, 1.0), reference_bi(lora0, tok, steps, 1.0, accum=2)
+    for name, got, want in (
+            ("lora_ddp_vs_single", run_bi(ctx, lora0, tok, steps, "ddp", kw={"static_graph": True}), ref_lora),
+            ("lora_fsdp2_vs_single", run_bi(ctx, lora0, tok, steps, "fsdp2"), ref_lora),
+            ("lora_fsdp2_accum2", run_bi(ctx, lora0, tok, steps, "fsdp2", accum=2), ref_lora_acc),
+            ("lora_ddp_grad_cache_accum2", run_bi(ctx, lora0, tok, steps, "ddp", accum=2, grad_cache=24),
+             ref_lora_acc)):
+        compare(name, got, want, base_grads(got))
+    checkpointed = copy.deepcopy(lora0)
+    dist.enable_activation_checkpointing(checkpointed)
+    got = run_bi(ctx, checkpointed, tok, steps, "ddp")
+    compare("lora_ddp_activation_checkpointing", got, ref_lora, base_grads(got))
 
     # ----- reranker: DDP on 2 ranks vs one process ------------------------------------------------
     torch.manual_seed(1)

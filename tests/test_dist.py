@@ -37,7 +37,9 @@ def results(tiny_model_dir, tmp_path_factory):
 EXACT = ["ddp_vs_single", "fsdp2_vs_single", "fsdp2_no_reshard_vs_single", "ddp_broadcast_buffers_off",
          "ddp_find_unused", "ddp_static_graph", "ddp_bucket_cap_1mb", "ddp_grad_as_bucket_view",
          "ddp_bucket_clip", "ddp_accum2", "ddp_static_graph_accum2", "fsdp2_accum2",
-         "ddp_grad_cache", "fsdp2_grad_cache", "ddp_grad_cache_accum2"]
+         "ddp_grad_cache", "fsdp2_grad_cache", "ddp_grad_cache_accum2",
+         "lora_ddp_vs_single", "lora_fsdp2_vs_single", "lora_fsdp2_accum2", "lora_ddp_grad_cache_accum2",
+         "lora_ddp_activation_checkpointing"]
 
 
 @pytest.mark.parametrize("check", EXACT)
@@ -47,6 +49,11 @@ def test_two_ranks_equal_one_process_with_the_global_batch(results, check):
     assert r["norm_rel_diff"] < TOL, r  # includes bucket clipping vs clip_grad_norm_
     assert r["rank_spread"] == 0.0, r
     assert r["param_dtypes"] == ["torch.float32"]
+
+
+@pytest.mark.parametrize("check", [c for c in EXACT if c.startswith("lora_")])
+def test_lora_puts_no_gradient_on_the_frozen_base(results, check):
+    assert results[check]["grads_on_base"] == 0
 
 
 def test_the_check_catches_missing_cross_device_negatives(results):

@@ -75,7 +75,8 @@ def test_lm_tokens_must_be_one_token_each(lm_tokenizer):
 
 
 @pytest.mark.slow
-def test_a_head_lm_run_exports_a_causal_lm_that_scores_as_the_kit(lm_tokenizer, small_train_file, tmp_path):
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_head_lm_run_exports_a_causal_lm_that_scores_as_the_kit(lora, lm_tokenizer, small_train_file, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from retrieval_kit.encode import rerank_groups
@@ -85,7 +86,8 @@ def test_a_head_lm_run_exports_a_causal_lm_that_scores_as_the_kit(lm_tokenizer, 
     out = tmp_path / "run"
     run_script("train_reranker.py", ["--model", path, "--head", "lm", "--prompt-template", "qwen3", "--train-file",
                                      small_train_file, "--val-max-groups", 8, "--batch-size", 2, "--n-passages", 2,
-                                     "--rerank-max-length", 192, "--max-steps", 2, "--output-dir", out])
+                                     "--rerank-max-length", 192, "--max-steps", 2, "--output-dir", out,
+                                     *(["--lora-rank", 4, "--lr", 1e-2, "--export-adapter"] if lora else [])])
     model, tok, settings = load_exported_reranker(str(out / "final"))
     assert settings["head"] == "lm" and tok.padding_side == "left" and settings["portable"], settings["kit_only"]
     kit = rerank_groups(model, tok, QUERIES, GROUPS, settings)  # (2, 3)
@@ -105,6 +107,17 @@ def test_a_head_lm_run_exports_a_causal_lm_that_scores_as_the_kit(lm_tokenizer, 
     st = torch.tensor(STCrossEncoder(str(out / "final"), device="cpu").predict(pairs, batch_size=4))
     assert (st - kit.view(-1)).abs().max() < 1e-5, (st, kit)
     assert os.path.isfile(out / "final" / "README.md")
+    if lora:  # the merged export above; peft's PeftModel on the adapter dir over the base gives the same
+        from peft import PeftModel
+
+        assert settings["lora"]["rank"] == 4 and settings["lora"]["modules_to_save"] == []
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), out / "final" / "adapter").eval()
+        with torch.no_grad():
+            got = peft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, -1]
+            base = AutoModelForCausalLM.from_pretrained(path).eval()(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, -1]
+        assert (got[:, yes] - got[:, no] - kit.view(-1)).abs().max() < 1e-5
+        assert (base[:, yes] - base[:, no] - kit.view(-1)).abs().max() > 1e-4  # the adapters did move the scores
 
 
 @pytest.mark.slow

@@ -18,9 +18,10 @@ def causal_config(kind, vocab_size=64, **kw):
     from transformers import LlamaConfig, MistralConfig, Qwen3Config
 
     cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "mistral": MistralConfig}[kind]
+    kw = {"pad_token_id": 0, **kw}
     return cls(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=128, head_dim=8, bos_token_id=1, eos_token_id=2,
-               pad_token_id=0, tie_word_embeddings=kind == "qwen3", **kw)
+               tie_word_embeddings=kind == "qwen3", **kw)
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +171,30 @@ def test_the_plan_counts_a_lora_run_as_it_holds_after_one_step(tiny_model_dir, d
     opt.step()
     assert {k: want[k] for k in ("params", "grads", "optimizer")} == real_bytes(enc, opt)
     assert want["grads"] * 10 < sum(want["params"].values())
+
+
+@pytest.mark.slow
+def test_a_lora_reranker_on_a_bf16_base_trains_fp32_adapters_and_exports_what_stock_loaders_score(
+        tiny_model_dir, small_train_file, tmp_path):
+    from safetensors.torch import load_file
+
+    from retrieval_kit.encode import rerank_groups
+    from retrieval_kit.export import load_exported_reranker
+    from tests.conftest import run_script, stock_scores
+    from tests.test_lm_reranker import GROUPS, QUERIES
+
+    out = tmp_path / "run"
+    run_script("train_reranker.py", ["--model", tiny_model_dir, "--train-file", small_train_file, "--val-file", "",
+                                     "--batch-size", 2, "--n-passages", 2, "--rerank-max-length", 64, "--max-steps", 2,
+                                     "--output-dir", out, "--lora-rank", 4, "--torch-dtype", "bf16",
+                                     "--force-fp32-params"])
+    kept = load_file(out / "step_000002" / "model.safetensors")  # adapters and the fresh head, all fp32
+    assert {v.dtype for v in kept.values()} == {torch.float32}
+    assert sorted({k.rsplit(".", 2)[0] for k in kept if ".lora_" not in k}) == ["bert.pooler", "classifier"]
+    state = torch.load(out / "step_000002" / "optimizer.pt", weights_only=True)["state"]
+    assert len(state) == len(kept) and {s["exp_avg"].dtype for s in state.values()} == {torch.float32}
+    model, tok, settings = load_exported_reranker(str(out / "final"))
+    assert settings["lora"]["rank"] == 4 and settings["portable"]
+    kit = rerank_groups(model, tok, QUERIES, GROUPS, settings)
+    s_hf, s_st = stock_scores(str(out / "final"), QUERIES, GROUPS)
+    assert (s_hf - kit).abs().max() < 1e-5 and (s_st - kit).abs().max() < 1e-5
