@@ -72,10 +72,10 @@ def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None):
             settings = {**settings, "lora": lora}
         dense = getattr(unwrap(model), "st_dense", None)  # a sentence-transformers Dense: its own module dir
         dense_weights = {k[len("st_dense."):]: weights.pop(k) for k in list(weights) if k.startswith("st_dense.")}
+        dtype = str(widest_dtype(weights)).replace("torch.", "")  # (save_pretrained may empty `weights`)
         unwrap(model).save_pretrained(stage, state_dict=weights, safe_serialization=True)
         if lora:  # config.json names the first param's dtype; the merged weights are all in the widest
-            _edit_json(os.path.join(stage, "config.json"),
-                       lambda c: c.update(dtype=str(widest_dtype(weights)).replace("torch.", "")))
+            _edit_json(os.path.join(stage, "config.json"), lambda c: c.update(dtype=dtype))
         tokenizer.save_pretrained(stage)
         if settings.get("kind") == "biencoder":
             warnings = write_st_files(stage, settings, unwrap(model).config.hidden_size,
