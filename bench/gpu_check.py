@@ -18,6 +18,11 @@ batch 4), so the script itself runs and is tested on a CPU. Parts, in order:
               run (bitwise, else the largest difference); the device the optimizer state loads onto
   compile     --compile under TORCH_LOGS=recompiles: recompilations over 10 steps   [GPU only]
   fp16        --compute-dtype fp16: refused with one message and a non-zero exit, no traceback
+  decoder     a config-built Qwen3 of Qwen3-0.6B's shape (random weights) as a last-token bi-encoder,
+              full fine-tuning vs LoRA (rank 16), bf16 autocast over fp32 master weights: median step
+              time, tokens/s, MFU, peak memory against the memory plan (whose params, grads and AdamW
+              state must equal the tensors' bytes); with 2+ GPUs also FSDP2 through the script. On a
+              CPU the same code runs a 2-layer, 64-wide Qwen3 for 3 steps (the suite's form)
 
 Each part prints its lines as it goes; a part that fails prints FAIL and the script exits 1.
 """
@@ -38,7 +43,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-PARTS = ("versions", "train", "throughput", "gradcache", "fsdp2", "resume", "compile", "fp16")
+PARTS = ("versions", "train", "throughput", "gradcache", "fsdp2", "resume", "compile", "fp16", "decoder")
 GPU_ONLY = {"throughput", "compile"}
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda", 0) if CUDA else torch.device("cpu")
@@ -288,6 +293,122 @@ def part_fp16(tmp):
     say(f"  --compute-dtype fp16: exit {rc}, traceback {r['traceback']}: {message}")
     if rc == 0 or r["traceback"]:
         raise RuntimeError("fp16 was not refused cleanly")
+    return r
+
+
+def qwen3_config(small):
+    """Qwen3-0.6B's shape (its published config: 28 layers, 1024 wide, 16 query / 8 KV heads of 128,
+    MLP 3072, vocabulary 151,936, tied embeddings), or a 2-layer, 64-wide one for a CPU."""
+    from transformers import Qwen3Config
+
+    if small:
+        return Qwen3Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    return Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                       tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1000000.0)
+
+
+def decoder_batch(vocab, n_queries, n_passages, q_len, p_len, gen):
+    """Random token ids, left-padded, as a decoder bi-encoder's collate gives them (each row's last token
+    real; one chunk per side); lengths drawn between half and all of the maximum."""
+    from retrieval_kit.chunking import chunk_batch
+
+    def side(rows, length):
+        ids = torch.randint(3, vocab, (rows, length), generator=gen)
+        mask = torch.ones_like(ids)
+        for i, n in enumerate(torch.randint(length // 2, length + 1, (rows,), generator=gen).tolist()):
+            mask[i, :length - n] = 0
+        return chunk_batch({"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}, 0).to(DEVICE)
+    return {"q": side(n_queries, q_len), "p": side(n_queries * n_passages, p_len)}
+
+
+def part_decoder(tmp):
+    from transformers import AutoModel
+
+    from retrieval_kit import log, lora, loop, optim, plan
+    from retrieval_kit.models import BiEncoder
+    from tests.test_plan import real_bytes
+
+    small = not CUDA
+    steps, (nq, npass, ql, pl) = (3, (4, 2, 16, 32)) if small else (10, (32, 2, 64, 256))
+    peak = (log.device_info(DEVICE) or {}).get("peak_bf16_tflops")
+    out = {}
+    for mode in ("full", "lora"):
+        torch.manual_seed(0)
+        enc = AutoModel.from_config(qwen3_config(small)).to(DEVICE)  # fp32 master weights
+        if mode == "lora":
+            lora.apply_lora(enc, 16, 32)
+        planned = plan.memory_plan(enc)
+        model = BiEncoder(enc, "last").train()
+        opt = optim.build_optimizer(optim.param_groups(enc, 0.01), 1e-5, fused=True)
+        gen = torch.Generator().manual_seed(0)
+        batches = [decoder_batch(enc.config.vocab_size, nq, npass, ql, pl, gen) for _ in range(steps)]
+        if CUDA:
+            torch.cuda.reset_peak_memory_stats()
+        times, real = [], None
+        for i, b in enumerate(batches):
+            if CUDA:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loop.plain_step(model, b, loss_fn, 1, True, (DEVICE.type, torch.bfloat16))
+            opt.step()
+            if real is None:
+                real = real_bytes(enc, opt)  # after the first step: grads and AdamW state exist
+            opt.zero_grad(set_to_none=True)
+            if CUDA:
+                torch.cuda.synchronize()
+            if i >= min(3, steps - 1):  # warm-up steps left out (on a CPU: all but the last)
+                times.append(time.perf_counter() - t0)
+        tokens = statistics.mean(b["q"].n_tokens + b["p"].n_tokens for b in batches)
+        step = statistics.median(times)
+        fpt = log.flops_per_token(enc)
+        r = {"params": sum(p.numel() for p in enc.parameters()),
+             "trained": sum(p.numel() for p in enc.parameters() if p.requires_grad),
+             "step_ms": round(step * 1e3, 1), "tokens_per_s": round(tokens / step),
+             "mfu": log.mfu(tokens / step, fpt, peak, 1), "plan_gib": round(planned["total"] / 2 ** 30, 3),
+             "plan_equals_tensors": {k: planned[k] for k in ("params", "grads", "optimizer")} == real,
+             "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2 ** 30, 2) if CUDA else None}
+        say(f"  {mode:4}: {r['params'] / 1e6:.1f}M params, {r['trained'] / 1e6:.2f}M trained; {r['step_ms']} ms/step, "
+            f"{r['tokens_per_s']} tokens/s, MFU {r['mfu'] and round(r['mfu'], 3)}; plan {r['plan_gib']} GiB before "
+            f"activations (= the tensors: {r['plan_equals_tensors']}), peak {r['max_memory_gib']} GiB")
+        if not r["plan_equals_tensors"]:
+            raise RuntimeError(f"{mode}: the memory plan {planned} differs from the tensors {real}")
+        out[mode] = r
+        del model, enc, opt, batches
+        if CUDA:
+            torch.cuda.empty_cache()
+    if CUDA and torch.cuda.device_count() >= 2:
+        out["fsdp2"] = decoder_fsdp2(tmp)
+    else:
+        say("  FSDP2 over GPUs: skipped (fewer than 2 GPUs)")
+    return out
+
+
+def decoder_fsdp2(tmp):
+    """The same model through train_biencoder.py on 2 GPUs: FSDP2, bf16 compute, LoRA, left padding + EOS."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from retrieval_kit.models import default_model_dir
+
+    model_dir = os.path.join(tmp, "qwen3_shape")
+    AutoModel.from_config(qwen3_config(False)).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(model_dir)  # ids below the vocabulary
+    run_dir = os.path.join(tmp, "decoder_fsdp2")
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          os.path.join(ROOT, "train_biencoder.py"), "--model", model_dir, "--parallel", "fsdp2",
+                          "--compute-dtype", "bf16", "--lora-rank", "16", "--max-steps", "10", "--val-every", "1000",
+                          "--passage-max-length", "256", "--output-dir", run_dir], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600, env=dict(os.environ, PYTHONPATH=ROOT))
+    if out.returncode:
+        raise RuntimeError(f"FSDP2 decoder run exited {out.returncode}: {out.stderr[-2000:]}")
+    rows = train_rows(run_dir)
+    r = {"seconds": round(time.perf_counter() - t0, 1), "tokens_per_s": round(statistics.median(
+         x["tokens_per_s"] for x in rows[3:] or rows)), "mfu": rows[-1].get("mfu"),
+         "max_memory_gib": rows[-1].get("max_memory_gib")}
+    say(f"  FSDP2 on 2 GPUs, LoRA, bf16 compute: {r['tokens_per_s']} tokens/s, MFU {r['mfu']}, peak "
+        f"{r['max_memory_gib']} GiB per rank")
     return r
 
 

@@ -57,10 +57,15 @@ def device_info(device):
 
 def flops_per_token(model):
     """Model FLOPs of a training step per (non-pad) token: 6 x the trained params outside embedding
-    tables (forward 2N, backward 4N; Kaplan et al. 2020). Attention's own FLOPs (which grow with length)
-    and GradCache's extra forward are not counted, so the MFU it gives is a lower bound."""
-    emb = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
-    return 6 * sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in emb)
+    tables (forward 2N, backward 4N; Kaplan et al. 2020); under LoRA also 4 x the frozen ones (forward,
+    and the backward to their inputs). An LM head (applied to two vocabulary rows only) is left out.
+    Attention's own FLOPs (which grow with length) and GradCache's extra forward are not counted, so
+    the MFU it gives is a lower bound."""
+    out_emb = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    skip = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) or m is out_emb
+            for p in m.parameters()}
+    frozen = 4 if getattr(model, "lora", None) else 0  # without LoRA a frozen param is one that does not run
+    return sum((6 if p.requires_grad else frozen) * p.numel() for p in model.parameters() if id(p) not in skip)
 
 
 def mfu(tokens_per_s, flops_per_token, peak_tflops, world_size):

@@ -125,6 +125,12 @@ def test_flops_per_token_counts_six_per_trained_non_embedding_param(tiny_model_d
             continue
         by_hand += p.numel()
     assert log.flops_per_token(enc) == 6 * by_hand
+    from retrieval_kit.lora import apply_lora
+
+    apply_lora(enc, 4, 8)  # the frozen base still runs forward and passes gradients back: 4 per param
+    adapters = sum(p.numel() for n, p in enc.named_parameters() if ".lora_" in n)
+    pooler = sum(p.numel() for n, p in enc.named_parameters() if n.startswith("pooler."))
+    assert log.flops_per_token(enc) == 6 * adapters + 4 * (by_hand + pooler)
     # 1e5 tokens/s on 2 ranks of a 989-TFLOP/s GPU
     assert log.mfu(1e5, 6e9, 989, 2) == pytest.approx(1e5 * 6e9 / (2 * 989e12))
     assert log.mfu(1e5, 6e9, None, 2) is None

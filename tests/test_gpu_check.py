@@ -16,12 +16,15 @@ pytestmark = pytest.mark.slow  # runs bench/gpu_check.py's quick parts in a subp
 
 def test_gpu_check_quick_parts_run_and_skip_what_needs_a_gpu(tmp_path):
     out = tmp_path / "check.json"
-    run = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--parts", "versions,throughput,fp16",
+    run = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--parts", "versions,throughput,fp16,decoder",
                           "--json", str(out)], capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1"))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["fp16"]["returncode"] != 0 and not r["fp16"]["traceback"] and "fp16" in r["fp16"]["message"]
+    full, lora = r["decoder"]["full"], r["decoder"]["lora"]  # the decoder part's CPU form: a tiny Qwen3
+    assert full["plan_equals_tensors"] and lora["plan_equals_tensors"] and lora["trained"] < full["trained"] / 3
+    assert full["tokens_per_s"] > 0 and lora["tokens_per_s"] > 0
     if torch.cuda.is_available():
         assert r["versions"]["accelerator"]["type"] == "cuda" and isinstance(r["throughput"], dict)
     else:
