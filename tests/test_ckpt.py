@@ -139,10 +139,11 @@ def test_sigterm_saves_a_checkpoint_that_resumes_exactly_reranker(tiny_model_dir
     assert_same_run(ref, run)
 
 
-@pytest.mark.parametrize("parallel,sig", [("ddp", signal.SIGKILL), ("fsdp2", signal.SIGTERM)])
-def test_two_rank_kill_then_resume_is_bitwise_identical(tiny_model_dir, small_train_file, tmp_path, parallel, sig):
+@pytest.mark.parametrize("parallel,sig,lora", [("ddp", signal.SIGKILL, 0), ("fsdp2", signal.SIGTERM, 0),
+                                               ("fsdp2", signal.SIGKILL, 4)])
+def test_two_rank_kill_then_resume_is_bitwise_identical(tiny_model_dir, small_train_file, tmp_path, parallel, sig, lora):
     ref = tmp_path / "ref"
-    extra = ["--parallel", parallel]
+    extra = ["--parallel", parallel, "--lora-rank", lora]  # LoRA: the base built on the meta device, adapters restored
     run_script("train_biencoder.py", bi_args(tiny_model_dir, small_train_file, ref, "--max-steps", STEPS, *extra), nproc=2)
     run = tmp_path / "run"
     args = bi_args(tiny_model_dir, small_train_file, run, *extra)
