@@ -86,7 +86,7 @@ def test_training_reads_a_sentence_transformers_dir_and_flags_win(st_dir, small_
     header = json.loads((out / "run_header.json").read_text())
     want = {"pooling": "cls", "normalize": True, "query_prefix": "query: ", "passage_prefix": "passage: ",
             "query_max_length": 40, "passage_max_length": 32, "include_prompt": True}
-    assert header["settings"] == want
+    assert {k: header["settings"][k] for k in want} == want and header["settings"]["decoder"] is False
     assert {k: load_settings(str(out / "final"))[k] for k in want} == want  # the export carries them through
     st = SentenceTransformer(str(out / "final"), device="cpu")
     assert st.prompts["query"] == "query: " and st.prompts["document"] == "passage: "
