@@ -22,6 +22,8 @@ import pickle
 import random
 import shutil
 import signal
+import sys
+import time
 import warnings
 
 import numpy as np
@@ -292,8 +294,107 @@ def _used(run_dir):
                   or d in ("final", "latest", "metrics.jsonl"))
 
 
+# ----- one writer per run folder ----------------------------------------------------------------
+
+LOCK_FILE = "run.lock"
+LOCK_STALE_S = 600  # a lock written on another host and not refreshed for this long is taken over
+LOCK_REFRESH_S = 60
+_held = {}  # realpath of a run folder -> (open lock file, stop event) of the lock this process holds
+
+
+def _process_start(pid):
+    """When process `pid` started (clock ticks since boot; /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _lock_holder(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def acquire_lock(run_dir):
+    """Hold `run_dir/run.lock` for the life of this process: an exclusive flock (the OS lets go when
+    the process dies, however it dies) over a file naming the holder (host, pid, start time),
+    refreshed every LOCK_REFRESH_S. Returns None, or the sentence that refuses a second writer:
+    - the flock is held: a live run on this host (or on a shared filesystem whose locks work);
+    - another host wrote the file, did not release it and refreshed it less than LOCK_STALE_S ago
+      (a filesystem whose locks do not reach across nodes); an older one is taken over with a warning.
+    """
+    import fcntl
+    import socket
+    import threading
+
+    key = os.path.realpath(run_dir)
+    if key in _held:
+        return None
+    path = os.path.join(run_dir, LOCK_FILE)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        h = _lock_holder(path)
+        return (f"--output-dir {run_dir}: another run is writing there (host {h.get('host', '?')}, pid "
+                f"{h.get('pid', '?')}, started {h.get('started', '?')}); two runs on one folder overwrite each "
+                "other's checkpoints: wait for it to end, or use another --output-dir")
+    me = socket.gethostname()
+    h = _lock_holder(path)
+    if h and not h.get("released") and h.get("host") != me:
+        age = time.time() - os.path.getmtime(path)
+        if age < LOCK_STALE_S:
+            fcntl.flock(f, fcntl.LOCK_UN)
+            f.close()
+            return (f"--output-dir {run_dir}: a run on host {h.get('host')} (pid {h.get('pid')}) holds it, last seen "
+                    f"{age:.0f} s ago; if that run is gone, wait until {LOCK_STALE_S} s have passed since, or delete "
+                    f"{path}")
+        print(f"warning: {path}: taking over the lock of host {h.get('host')} (pid {h.get('pid')}), not refreshed "
+              f"for {age:.0f} s", flush=True)
+    f.seek(0)
+    f.truncate()
+    json.dump({"host": me, "pid": os.getpid(), "process_start": _process_start(os.getpid()),
+               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv}, f)
+    f.flush()
+    stop = threading.Event()
+
+    def refresh():
+        while not stop.wait(LOCK_REFRESH_S):
+            try:
+                os.utime(path)
+            except OSError:
+                pass
+    threading.Thread(target=refresh, daemon=True, name="run.lock refresh").start()
+    _held[key] = (f, stop)
+    return None
+
+
+def release_lock(run_dir=None):
+    """Let go of the lock this process holds on `run_dir` (None: every one), marking it released."""
+    import fcntl
+
+    for key in [k for k in _held if run_dir is None or k == os.path.realpath(run_dir)]:
+        f, stop = _held.pop(key)
+        stop.set()
+        try:
+            f.seek(0)
+            f.truncate()
+            json.dump({**_lock_holder(os.path.join(key, LOCK_FILE)), "released": True}, f)
+            f.flush()
+        except (OSError, ValueError):
+            pass
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
+
+
 def _decide(run_dir, resume, overwrite, allow_changed, run_args, neutral, world):
-    """Rank 0's decision for start_run: (resume dir or None, error message or None)."""
+    """Rank 0's decision for start_run: (resume dir or None, error message or None); holds the run
+    folder's lock from here on (released when the decision is a refusal)."""
     try:
         os.makedirs(run_dir, exist_ok=True)
         probe = os.path.join(run_dir, ".write_test")
@@ -302,6 +403,16 @@ def _decide(run_dir, resume, overwrite, allow_changed, run_args, neutral, world)
         os.remove(probe)
     except OSError as e:
         return None, f"--output-dir {run_dir}: cannot write there ({flags.os_reason(e)})"
+    refused = acquire_lock(run_dir)
+    if refused:
+        return None, refused
+    resume_dir, error = _decide_resume(run_dir, resume, overwrite, allow_changed, run_args, neutral, world)
+    if error:
+        release_lock(run_dir)
+    return resume_dir, error
+
+
+def _decide_resume(run_dir, resume, overwrite, allow_changed, run_args, neutral, world):
     used = _used(run_dir)
     if resume in (None, "", "none"):
         if not used:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import data, dist, optim, precision
+from . import ckpt, data, dist, optim, precision
 from .chunking import Chunked
 from .gradcache import grad_cache
 from .losses import contrastive_loss, contrastive_scores, duplicate_mask, listwise_loss
@@ -235,6 +235,7 @@ def reranker_group_scores(model, queries, groups, *, collate, device, autocast_d
 def end_run(logger, message):
     logger.close()
     dist.print0(message)
+    ckpt.release_lock()  # the run folder is free for the next run
     dist.cleanup()
 
 
@@ -243,4 +244,5 @@ def stop_early(logger, stop, step, output_dir):
     logger.close()
     dist.print0(f"stopped by {stop.name or 'a signal on another rank'} after step {step}: checkpoint saved in "
                 f"{output_dir}; continue with --resume auto")
+    ckpt.release_lock()
     dist.cleanup()

@@ -48,8 +48,10 @@ def process_tree(pid):
 
 
 def kill_after_checkpoint(proc, ckpt_dir, sig, timeout=300):
+    """Kill the run once `ckpt_dir` (or, if it was already pruned, any later checkpoint) is complete."""
     deadline = time.time() + timeout
-    while not os.path.isfile(os.path.join(ckpt_dir, "meta.json")):
+    latest = os.path.join(os.path.dirname(ckpt_dir), "latest")
+    while not (os.path.isfile(os.path.join(ckpt_dir, "meta.json")) or os.path.isfile(latest)):
         assert proc.poll() is None, proc.communicate()
         assert time.time() < deadline, "no checkpoint appeared"
         time.sleep(0.02)
@@ -112,9 +114,29 @@ def bi_ref(tiny_model_dir, small_train_file, tmp_path_factory):
     return str(out)
 
 
+def wait_for_checkpoint(proc, ckpt_dir, timeout=300):
+    deadline = time.time() + timeout
+    while not os.path.isfile(os.path.join(ckpt_dir, "meta.json")):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+
+
+def assert_second_writer_refused(proc, script, args):
+    """A second run on the folder of the live run `proc` (--resume auto, as a user retrying would): one
+    sentence. `proc` is stopped meanwhile (SIGSTOP: it holds its lock, and takes no step)."""
+    for pid in process_tree(proc.pid):
+        os.kill(pid, signal.SIGSTOP)
+    out = python_run([os.path.join(ROOT, script), *args, "--resume", "auto"])
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "another run is writing there" in out.stderr, out.stderr[-2000:]
+
+
 def test_sigkill_then_resume_is_bitwise_identical(bi_ref, tiny_model_dir, small_train_file, tmp_path):
     args = bi_args(tiny_model_dir, small_train_file, tmp_path)
     proc = launch("train_biencoder.py", args + ["--max-steps", 100000])  # constant LR: same path as STEPS
+    wait_for_checkpoint(proc, tmp_path / "step_000002")
+    assert_second_writer_refused(proc, "train_biencoder.py", args + ["--max-steps", STEPS])  # the run is still going
     rc, _, _ = kill_after_checkpoint(proc, tmp_path / "step_000002", signal.SIGKILL)
     assert rc == -signal.SIGKILL
     run_script("train_biencoder.py", args + ["--max-steps", STEPS, "--resume", "auto", "--keep-last", 2])
@@ -148,6 +170,9 @@ def test_two_rank_kill_then_resume_is_bitwise_identical(tiny_model_dir, small_tr
     run = tmp_path / "run"
     args = bi_args(tiny_model_dir, small_train_file, run, *extra)
     proc = launch("train_biencoder.py", args + ["--max-steps", 100000], nproc=2)
+    if lora:  # rank 0 of the 2-rank run holds the folder
+        wait_for_checkpoint(proc, run / "step_000002")
+        assert_second_writer_refused(proc, "train_biencoder.py", args + ["--max-steps", STEPS])
     kill_after_checkpoint(proc, run / "step_000002", sig)
     run_script("train_biencoder.py", args + ["--max-steps", STEPS, "--resume", "auto"], nproc=2)
     assert_same_run(ref, run)
