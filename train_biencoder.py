@@ -49,7 +49,8 @@ def main():
         args.parallel == "fsdp2", ctx)
     dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights, embedding_size(encoder))
     settings = evaluate.biencoder_settings(model_dir, cli.setting_overrides(args))  # says what the dir set
-    settings.update(prepare_embedder(tokenizer, encoder, settings["pooling"], args.append_eos, args.bidirectional))
+    settings.update(prepare_embedder(tokenizer, encoder, settings, args.append_eos, args.bidirectional,
+                                     args.pad_to_multiple_of))  # a decoder: pad left, EOS; lengths checked
     lora_info = lora.apply_each((encoder, source), **cli.lora_settings(args, model_dir, storage_dtype))  # or None
     resume_dir = ckpt.start_run(**cli.resume_request(args), run_args=vars(args), neutral=cli.run_neutral())
     ckpt.restore_model(source, resume_dir, storage_dtype)  # a resume: weights (rank 0's under FSDP2) -> cast
@@ -84,8 +85,7 @@ def main():
         contrastive=matryoshka(contrastive_loss, *dims, settings["normalize"]) if dims[0] else contrastive_loss,
         mask_duplicates=args.mask_duplicates, distill_weight=args.distill_weight,
         teacher_temperature=args.teacher_temperature)
-    fwd_bwd = functools.partial(loop.grad_cache_step if args.grad_cache else loop.plain_step, loss_fn=loss_fn,
-                                accum=args.grad_accum_steps, autocast=(ctx.device.type, autocast_dtype))
+    fwd_bwd = loop.step_fn(args.grad_cache, loss_fn, args.grad_accum_steps, (ctx.device.type, autocast_dtype))
     val_score = functools.partial(loop.biencoder_group_scores, collate=collate, temperature=args.temperature,
                                   device=ctx.device, autocast_dtype=autocast_dtype,
                                   mask_duplicates=args.mask_duplicates)

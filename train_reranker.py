@@ -19,13 +19,13 @@ import torch
 
 from retrieval_kit import ckpt, cli, data, dist, log, loop, lora, optim, plan, precision, records
 from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, TEMPLATE_PRESETS, pair_layout, rerank_inputs
-from retrieval_kit.export import export_reranker, kit_only_reasons, model_card
+from retrieval_kit.export import export_reranker, model_card, warn_kit_only
 from retrieval_kit.formats import exit_on_data_error
 from retrieval_kit.losses import RERANK_LOSSES, reranker_loss
 from retrieval_kit.metrics import WindowedAverage
-from retrieval_kit.models import (CrossEncoder, default_model_dir, fresh_head_params, is_decoder_only, lm_token_ids,
-                                  load_lm_reranker, load_once, load_reranker, load_tokenizer, make_bidirectional,
-                                  setup_pad_token)
+from retrieval_kit.models import (CrossEncoder, check_max_lengths, default_model_dir, fresh_head_params, is_decoder_only,
+                                  lm_token_ids, load_lm_reranker, load_once, load_reranker, load_tokenizer,
+                                  make_bidirectional, setup_pad_token)
 
 
 def parse_args(argv=None):
@@ -47,9 +47,11 @@ def resolve_template(template, config):
     return TEMPLATE_PRESETS.get(template, template)
 
 
-def run_layout(tokenizer, template, append_eos, max_length):
+def run_layout(tokenizer, template, append_eos, max_length, config, multiple):
     """The run's pair layout (--prompt-template), checked against --rerank-max-length before any
-    step (a template longer than the pairs may be), or one sentence naming the flag at fault."""
+    step (a template longer than the pairs may be; pairs longer than the model's positions), or one
+    sentence naming the flag at fault."""
+    check_max_lengths(config, tokenizer, {"--rerank-max-length": max_length}, multiple)
     try:
         layout = pair_layout(tokenizer, template, append_eos)
         layout.encode([], [], max_length)
@@ -104,11 +106,10 @@ def main():
     if args.bidirectional:
         make_bidirectional(net)
     template = resolve_template(args.prompt_template, net.config)
-    layout = run_layout(tokenizer, template, args.append_eos, args.rerank_max_length)  # every pair's ids
+    layout = run_layout(tokenizer, template, args.append_eos, args.rerank_max_length, net.config,  # every pair's ids
+                        args.pad_to_multiple_of)
     layouts = {f.name: file_layout(tokenizer, f, net.config, layout, args.append_eos) for f in files}  # --train-mix
-    for reason in kit_only_reasons(args.pooling, args.bidirectional, args.head):
-        dist.print0(f"warning: kit-only reranker: {reason}; score the export with retrieval_kit, not "
-                    "AutoModelForSequenceClassification or CrossEncoder")
+    warn_kit_only(args.pooling, args.bidirectional, args.head)  # what the stock loaders would score otherwise
     lora_info = lora.apply_each((net, source), train=fresh_head_params if args.head == "classifier" else None,
                                 **cli.lora_settings(args, model_dir, storage_dtype))  # None without --lora-rank
     torch.manual_seed(args.seed + ctx.rank)  # from here on (dropout) each rank draws its own numbers
@@ -143,8 +144,7 @@ def main():
                                 ctx.device)
     loss_fn = functools.partial(reranker_loss, n_passages=args.n_passages, loss=RERANK_LOSSES[args.loss],
                                 distill_weight=args.distill_weight, teacher_temperature=args.teacher_temperature)
-    fwd_bwd = functools.partial(loop.grad_cache_step if args.grad_cache else loop.plain_step, loss_fn=loss_fn,
-                                accum=args.grad_accum_steps, autocast=(ctx.device.type, autocast_dtype))
+    fwd_bwd = loop.step_fn(args.grad_cache, loss_fn, args.grad_accum_steps, (ctx.device.type, autocast_dtype))
     val_score = functools.partial(loop.reranker_group_scores, collate=collate, device=ctx.device,
                                   autocast_dtype=autocast_dtype)
 

@@ -211,6 +211,9 @@ def verify(path):
     try:
         meta = load_meta(path)
         step = meta["step"]
+        for key in ("loop", "args"):  # what a resume reads besides the files
+            if not isinstance(meta[key], dict):
+                raise TypeError(f"its {key!r} entry is not a mapping")
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{meta_path}: unreadable ({type(e).__name__}: {e})"
     name = os.path.basename(os.path.normpath(path))
@@ -264,7 +267,19 @@ def resolve_resume(resume, run_dir):
 
 
 # args a script sets from what it read, not flags: how a changed one is named
-DERIVED = {"train_mixture": "the training files (name, path, records, weight, batches per round, prompts)"}
+DERIVED = {"train_mixture": "the training files (name, path, records, weight, batches per round, prompts, content "
+                            "digest)"}
+# what a resume cannot change even with --allow-changed-args: the weights it continues come from it
+FIXED = {"model": "a resume continues the checkpoint's weights, trained from that model: start a new run (another "
+                  "--output-dir) to train another one"}
+
+
+def _comparable(saved, now):
+    """`now` without the keys a checkpoint from an older kit did not record (a training file's digest)."""
+    if isinstance(saved, list) and isinstance(now, list) and len(saved) == len(now):
+        return [{k: v for k, v in n.items() if k in s} if isinstance(s, dict) and isinstance(n, dict) else n
+                for s, n in zip(saved, now)]
+    return now
 
 
 def changed_args(saved, now, saved_world, world, neutral=frozenset()):
@@ -277,6 +292,7 @@ def changed_args(saved, now, saved_world, world, neutral=frozenset()):
         skip.add("max_steps")
     if isinstance(saved.get("train_file"), str):  # one path, as checkpoints before repeatable --train-file
         saved = {**saved, "train_file": [saved["train_file"]]}
+    now = {**now, "train_mixture": _comparable(saved.get("train_mixture"), now.get("train_mixture"))}
     out = [f"{DERIVED.get(k) or '--' + k.replace('_', '-')}: {saved[k]!r} in the checkpoint, {now[k]!r} now"
            for k in sorted(set(saved) & set(now)) if k not in skip and saved[k] != now[k]]
     before, after = saved.get("batch_size", 0) * saved_world, now.get("batch_size", 0) * world
@@ -436,7 +452,12 @@ def _decide_resume(run_dir, resume, overwrite, allow_changed, run_args, neutral,
     if resume_dir is None:
         return None, None
     meta = load_meta(resume_dir)
-    diffs = changed_args(meta.get("args") or {}, run_args, meta.get("world_size", 1), world, neutral)
+    saved_args = meta.get("args") or {}
+    diffs = changed_args(saved_args, run_args, meta.get("world_size", 1), world, neutral)
+    for k, why in FIXED.items():
+        if k in saved_args and k in run_args and saved_args[k] != run_args[k]:
+            return None, (f"--resume: {resume_dir} was trained from --{k} {saved_args[k]}, this run names "
+                          f"{run_args[k]}; {why}")
     if diffs and not allow_changed:
         return None, (f"--resume: {resume_dir} was trained with other settings; what would change:\n  " +
                       "\n  ".join(diffs) + "\nrun with the checkpoint's values, or pass --allow-changed-args to "
@@ -554,7 +575,17 @@ def load_optimizer(optimizer, ckpt_dir, wrapped=None):
 
 
 def load_scheduler(scheduler, ckpt_dir):
+    """The checkpoint's schedule position (last_epoch), on the schedule the flags built now: its peak
+    LRs (base_lrs, which load_state_dict would take from the checkpoint) stay this run's, and each
+    group's LR is set for the next step - so a resume with --allow-changed-args --lr (or a new warmup,
+    schedule or --max-steps) trains at what it says; unchanged flags give the saved LRs bit for bit."""
+    fresh = list(scheduler.base_lrs)
     scheduler.load_state_dict(safe_load(os.path.join(ckpt_dir, "scheduler.pt")))
+    scheduler.base_lrs = fresh
+    groups = scheduler.optimizer.param_groups
+    for g, base, fn in zip(groups, fresh, scheduler.lr_lambdas):
+        g["initial_lr"], g["lr"] = base, base * fn(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in groups]
 
 
 def load_meta(ckpt_dir):

@@ -241,7 +241,7 @@ def add_optim_args(parser, lr, max_steps, warmup_steps):
     flag(g, "--max-bad-steps", type=flags.positive_int, default=5, neutral=True,
          help="a step whose loss or grad norm is not finite is skipped on every rank; stop after "
               "this many in a row (default 5)")
-    flag(g, "--seed", type=int, default=42, help="data order, negative sampling and init (default 42)")
+    flag(g, "--seed", type=flags.nonneg_int, default=42, help="data order, negative sampling and init (default 42)")
     return g
 
 
@@ -497,6 +497,15 @@ def parse(parser, argv=None):
     if args.grad_cache and args.static_graph:
         raise SystemExit("--grad-cache runs several forward/backward passes per step, which DDP's --static-graph "
                          "does not allow; drop one of them")
+    if getattr(args, "rerank_max_length", None) and args.n_passages < 2:
+        raise SystemExit(f"--n-passages {args.n_passages}: a reranker learns by ranking a query's positive above its "
+                         "negatives; give it 2 or more pairs per query")
+    if args.sharded_checkpoints and args.parallel != "fsdp2":
+        raise SystemExit("--sharded-checkpoints: only with --parallel fsdp2 (under DDP every rank holds the whole "
+                         "model and rank 0 writes it as one file)")
+    if args.warmup_steps > args.max_steps:
+        print(f"warning: --warmup-steps {args.warmup_steps} > --max-steps {args.max_steps}: the LR never reaches "
+              f"--lr {args.lr:g} (it stops at {args.lr * args.max_steps / max(1, args.warmup_steps):.3g})", flush=True)
     if not args.lora_rank:
         for name in ("lora_alpha", "export_adapter"):
             if getattr(args, name):

@@ -31,14 +31,20 @@ def tokenize(tokenizer, texts, max_length, prefix="", pad_to_multiple_of=None):
     "pool_mask": the attention mask with the prefix's tokens off, which the pooling then uses."""
     got = [not getattr(t, "prompted", False) for t in texts]
     texts = [prefix + t if g else t for t, g in zip(texts, got)] if prefix else list(texts)
-    batch = tokenizer(
-        texts,
-        max_length=max_length,
-        truncation=True,
-        padding="longest",
-        pad_to_multiple_of=pad_to_multiple_of or None,
-        return_tensors="pt",
-    )
+    if pad_to_multiple_of and max_length % pad_to_multiple_of:
+        # transformers refuses to truncate to a length that is not a multiple of the padding's: truncate,
+        # then round the padding up (the width may pass max_length; no row's tokens do)
+        batch = tokenizer.pad(tokenizer(texts, max_length=max_length, truncation=True), padding="longest",
+                              pad_to_multiple_of=pad_to_multiple_of, return_tensors="pt")
+    else:
+        batch = tokenizer(
+            texts,
+            max_length=max_length,
+            truncation=True,
+            padding="longest",
+            pad_to_multiple_of=pad_to_multiple_of or None,
+            return_tensors="pt",
+        )
     if prefix and getattr(prefix, "excluded", False):
         n = prompt_length(tokenizer, prefix)
         mask = batch["attention_mask"]

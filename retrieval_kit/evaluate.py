@@ -25,7 +25,7 @@ from .formats import read_corpus, read_qrels, read_queries
 from .encode import encode_shard, encode_sharded, rerank_groups
 from .export import load_exported_reranker
 from .metrics import rank_docs, retrieval_metrics
-from .models import decoder_dir, default_model_dir, load_encoder, load_tokenizer, prepare_embedder
+from .models import decoder_dir, default_model_dir, embedding_size, load_encoder, load_tokenizer, prepare_embedder
 from .search import sharded_topk
 from .st_format import KIT_DEFAULTS, load_settings, resolve_biencoder_settings
 
@@ -174,8 +174,12 @@ def main(argv=None):
     settings = biencoder_settings(model_dir, vars(args))
     tok = load_tokenizer(model_dir, args.trust_remote_code)
     enc = load_encoder(model_dir, torch.float32, args.trust_remote_code).to(ctx.device)
-    prepare_embedder(tok, enc, settings["pooling"])  # a decoder: pad token, left padding, EOS for last pooling
+    prepare_embedder(tok, enc, settings)  # a decoder: pad token, left padding, EOS for last pooling
     dims = args.truncate_dims if args.truncate_dims is not None else load_settings(model_dir).get("matryoshka_dims", [])
+    size = embedding_size(enc)
+    if any(d > size for d in dims):
+        ap.error(f"--truncate-dims {','.join(map(str, dims))}: {model_dir} embeds in {size} dimensions; give sizes up "
+                 f"to {size}")
     runs = retrieve_dims(enc, tok, settings, beir, [None, *dims], args.k, args.batch_size, ctx.device, ctx.is_main)
     run = runs.pop(None)
     results = {"biencoder": retrieval_metrics(run, beir[3])}

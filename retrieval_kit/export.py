@@ -147,6 +147,14 @@ def kit_only_reasons(pooling, bidirectional, head="classifier"):
     return reasons
 
 
+def warn_kit_only(pooling, bidirectional, head="classifier"):
+    """Say at start-up (rank 0) why the reranker's export will score differently in the stock loaders."""
+    for reason in kit_only_reasons(pooling, bidirectional, head):
+        if rank() == 0:
+            print(f"warning: kit-only reranker: {reason}; score the export with retrieval_kit, not "
+                  "AutoModelForSequenceClassification or CrossEncoder", flush=True)
+
+
 def write_lm_cross_encoder_files(out_dir, token_ids, max_length):
     """The sentence-transformers files (6.x layout) that make `CrossEncoder(out_dir)` score a --head lm
     export as the kit does: its Transformer module on the causal LM ("text-generation", logits of the
@@ -252,6 +260,9 @@ def load_exported_reranker(model_dir, dtype=torch.float32, trust_remote_code=Fal
     from .models import CrossEncoder, load_lm_reranker, load_reranker, make_bidirectional, setup_pad_token
 
     settings = load_settings(model_dir)
+    if settings.get("kind", "reranker") != "reranker":
+        raise SystemExit(f"{model_dir}: a {settings['kind']} export (its {SETTINGS_FILE}), not a reranker: pass the "
+                         "dir train_reranker.py exported")
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if settings.get("padding_side"):
         tokenizer.padding_side = settings["padding_side"]

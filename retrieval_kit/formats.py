@@ -24,6 +24,18 @@ class DataError(ValueError):
     """Raised with one `file:line: problem` per bad line."""
 
 
+def file_digest(path, block=1 << 22):
+    """A content fingerprint of a file: blake2b-128 of all its bytes (hex), for a resume to notice data
+    regenerated under the same path and size."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def exit_on_data_error(main):
     """Run an entry point's main(): a DataError (a user's bad or missing file) ends the run with its
     message (printed once, by rank 0 under torchrun) and exit status 1, not a traceback."""

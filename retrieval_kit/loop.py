@@ -71,6 +71,15 @@ def split_batch(batch):
 
 # ----- forward + backward of one micro-batch (chosen once, before the loop) -------------------
 
+def step_fn(grad_cache, loss_fn, accum, autocast=(None, None)):
+    """The forward/backward of every micro-batch, chosen once: `fn(model, batch, sync=...)` ->
+    (loss, accuracy, ...): grad_cache_step with --grad-cache, else plain_step."""
+    import functools
+
+    return functools.partial(grad_cache_step if grad_cache else plain_step, loss_fn=loss_fn, accum=accum,
+                             autocast=autocast)
+
+
 def plain_step(model, batch, loss_fn, accum, sync, autocast=(None, None)):
     """One forward of all inputs (`model(**inputs)`, a single DDP forward per backward), the loss
     outside autocast (`loss_fn(outputs, **targets)`: split_batch), backward of loss / accum.

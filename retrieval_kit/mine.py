@@ -72,9 +72,9 @@ def main(argv=None):
     ap.add_argument("--model", type=flags.model_path, default=None, help="bi-encoder dir (default: the bundled all-MiniLM-L6-v2)")
     ap.add_argument("--k", type=flags.positive_int, default=7, help="hard negatives per query (default 7)")
     ap.add_argument("--skip-top", type=flags.nonneg_int, default=0, help="skip this many top-ranked non-positives (default 0)")
-    ap.add_argument("--max-score-ratio", type=float, default=0.95,
-                    help="drop candidates scoring above this fraction of the positive's score (default 0.95; "
-                         "<= 0 turns the filter off)")
+    ap.add_argument("--max-score-ratio", type=flags.fraction, default=0.95,
+                    help="drop candidates scoring above this fraction of the positive's score, between 0 and 1 "
+                         "(default 0.95; 0 turns the filter off)")
     ap.add_argument("--depth", type=flags.positive_int, default=200, help="candidates considered per query (default 200)")
     ap.add_argument("--batch-size", type=flags.positive_int, default=64, help="texts per encoding batch")
     cli.add_biencoder_setting_args(ap)
@@ -104,7 +104,7 @@ def main(argv=None):
     s = biencoder_settings(model_dir, vars(args))
     tok = load_tokenizer(model_dir)
     enc = load_encoder(model_dir).to(ctx.device)
-    prepare_embedder(tok, enc, s["pooling"])  # a decoder: pad token, left padding, EOS for last pooling
+    prepare_embedder(tok, enc, s)  # a decoder: pad token, left padding, EOS for last pooling
     p_emb = encode_sharded(enc, tok, texts, s["passage_max_length"], s["passage_prefix"], args.batch_size,
                            s["pooling"], s["normalize"], ctx.device, ctx.is_main, "corpus")
     q_emb = encode_sharded(enc, tok, [r.query for r in records], s["query_max_length"], s["query_prefix"],

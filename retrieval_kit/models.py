@@ -322,12 +322,49 @@ def append_eos_token(tokenizer):
     return tokenizer
 
 
-def prepare_embedder(tokenizer, model, pooling, append_eos=None, bidirectional=False):
+# position ids start after the pad token's in these families: max_position_embeddings - (pad id + 1) are usable
+OFFSET_POSITIONS = ("roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "longformer", "mpnet")
+
+
+def max_positions(config):
+    """Tokens a model can place (None when its config does not say)."""
+    n = getattr(config, "max_position_embeddings", None)
+    if n and config.model_type in OFFSET_POSITIONS:
+        n -= (getattr(config, "pad_token_id", None) or 0) + 1
+    return n
+
+
+def check_max_lengths(config, tokenizer, lengths, multiple=None):
+    """Each {flag: max length} must hold the tokenizer's special tokens and one more, and (padded up to a
+    multiple of `multiple`) fit the model's positions: one sentence naming the flag. A decoder's
+    rotary positions are not a table: beyond them is a warning."""
+    specials = len(tokenizer("a")["input_ids"]) - len(tokenizer("a", add_special_tokens=False)["input_ids"])
+    limit = max_positions(config)
+    for flag, n in lengths.items():
+        if n <= specials:
+            raise SystemExit(f"{flag} {n}: the tokenizer adds {specials} special token(s) to every text; give at "
+                             f"least {specials + 1}")
+        width = -(-n // multiple) * multiple if multiple else n
+        if limit and width > limit:
+            said = (f"{flag} {n}" + (f" (padded to {width}, a multiple of --pad-to-multiple-of {multiple})"
+                                     if width != n else "") + f" is beyond the {limit} positions of "
+                    f"{config.model_type} (max_position_embeddings)")
+            if is_decoder_only(config):
+                print(f"warning: {said}; its rotary positions may extrapolate poorly", flush=True)
+            else:
+                raise SystemExit(f"{said}: give at most {limit - limit % multiple if multiple else limit}")
+
+
+def prepare_embedder(tokenizer, model, settings, append_eos=None, bidirectional=False, multiple=None):
     """A bi-encoder's tokenizer and model made ready for their architecture; returns what was done,
-    for the run header. A decoder (Llama, Qwen, Mistral, ...) gets a pad token if it has none, pads
-    on the left (every row's last real token in the last column), and with `pooling` last appends
-    EOS to each text unless `append_eos` is False (None = auto); `bidirectional` drops its causal
-    mask. An encoder refuses both flags with a sentence."""
+    for the run header. The max lengths of `settings` (its pooling, query_max_length,
+    passage_max_length) are checked against the model (check_max_lengths). A decoder (Llama, Qwen,
+    Mistral, ...) gets a pad token if it has none, pads on the left (every row's last real token in
+    the last column), and with last pooling appends EOS to each text unless `append_eos` is False
+    (None = auto); `bidirectional` drops its causal mask. An encoder refuses both flags with a sentence."""
+    pooling = settings["pooling"]
+    check_max_lengths(model.config, tokenizer, {"--query-max-length": settings["query_max_length"],
+                                                "--passage-max-length": settings["passage_max_length"]}, multiple)
     decoder = is_decoder_only(model.config)
     if not decoder:
         for flag, on in (("--append-eos", append_eos), ("--bidirectional", bidirectional)):

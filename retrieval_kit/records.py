@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .data import TrainFile, mixture_quotas, steps_per_epoch
-from .formats import DataError, detect_format, json_type, jsonl_objects, raise_problems, read_corpus, unread_fields
+from .formats import (DataError, detect_format, file_digest, json_type, jsonl_objects, raise_problems, read_corpus,
+                      unread_fields)
 from .textstore import Records, TextStore, digest
 
 
@@ -273,8 +274,10 @@ def read_train_val(spec, world_size):
                              f"({spec.batch_size} x {world_size} ranks)")
     quotas = mixture_quotas([steps_per_epoch(len(f.records), spec.batch_size, world_size) for f in files],
                             [f.weight for f in files])
+    corpus_digest = {"corpus_digest": file_digest(spec.corpus)} if spec.corpus else {}
     mixture = [{"name": f.name, "file": f.path, "records": len(f.records), "weight": f.weight,
-                "batches_per_round": q, **f.prompts} for f, q in zip(files, quotas)]
+                "batches_per_round": q, **f.prompts, "digest": file_digest(f.path), **corpus_digest}
+               for f, q in zip(files, quotas)]  # digests: a resume on regenerated data is refused
     if len(files) > 1:
         print0("train mixture, micro-batches per round: " + ", ".join(
             f"{f.name} {q} ({q / sum(quotas):.1%})" for f, q in zip(files, quotas)))

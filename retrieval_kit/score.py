@@ -58,7 +58,7 @@ class Scorer:
             self.settings = biencoder_settings(model_dir, {})
             self.tokenizer = load_tokenizer(model_dir, trust_remote_code)
             model = load_encoder(model_dir, torch.float32, trust_remote_code)
-            prepare_embedder(self.tokenizer, model, self.settings["pooling"])
+            prepare_embedder(self.tokenizer, model, self.settings)
         else:
             raise SystemExit(f"--model {model_dir}: not an export of train_reranker.py or train_biencoder.py (its "
                              "retrieval_kit.json, which says how to score, is missing or names no kind)")

@@ -22,6 +22,7 @@ from tests.test_ckpt import assert_same_run, kill_after_checkpoint, launch
 from tests.test_lora import causal_config
 
 PROMPT = "Instruct: find the package\nQuery: "
+LAST, AVG = ({"pooling": p, "query_max_length": 32, "passage_max_length": 32} for p in ("last", "avg"))
 TEXTS = ["python server", "a graphical user interface tool for the command line", "data"]
 
 
@@ -54,7 +55,7 @@ def test_a_decoder_pads_left_and_ends_each_text_with_eos_and_so_does_its_saved_t
                                                                                          tmp_path):
     tok = word_tokenizer(**({"add_bos_token": True, "add_eos_token": False} if llama_style else {}))
     model = load_encoder(qwen3_base)
-    done = prepare_embedder(tok, model, "last")
+    done = prepare_embedder(tok, model, LAST)
     assert done == {"decoder": True, "append_eos": True, "padding_side": "left", "bidirectional": False}
     batch = tokenize(tok, TEXTS, 16, PROMPT)
     assert (batch["input_ids"][:, -1] == tok.eos_token_id).all() and (batch["attention_mask"][:, -1] == 1).all()
@@ -64,10 +65,10 @@ def test_a_decoder_pads_left_and_ends_each_text_with_eos_and_so_does_its_saved_t
     tok.save_pretrained(tmp_path)  # a model-specific class may rebuild its post-processor on load
     again = AutoTokenizer.from_pretrained(tmp_path)
     assert again(TEXTS)["input_ids"] == tok(TEXTS)["input_ids"] and again.padding_side == "left"
-    assert prepare_embedder(again, load_encoder(qwen3_base), "last")["append_eos"]  # already: unchanged
+    assert prepare_embedder(again, load_encoder(qwen3_base), LAST)["append_eos"]  # already: unchanged
     assert again(TEXTS)["input_ids"] == tok(TEXTS)["input_ids"]
     no_eos = word_tokenizer()
-    assert not prepare_embedder(no_eos, load_encoder(qwen3_base), "last", append_eos=False)["append_eos"]
+    assert not prepare_embedder(no_eos, load_encoder(qwen3_base), LAST, append_eos=False)["append_eos"]
     assert no_eos(TEXTS[0])["input_ids"][-1] != no_eos.eos_token_id
 
 
@@ -77,7 +78,7 @@ def test_decoders_pool_the_last_token_by_default_and_encoders_refuse_the_decoder
     assert biencoder_settings(qwen3_base, {"pooling": "avg"})["pooling"] == "avg"
     for flag, kw in (("--append-eos", {"append_eos": True}), ("--bidirectional", {"bidirectional": True})):
         with pytest.raises(SystemExit, match=f"{flag}: BertModel is an encoder \\(bert\\)"):
-            prepare_embedder(load_tokenizer(tiny_model_dir), load_encoder(tiny_model_dir), "avg", **kw)
+            prepare_embedder(load_tokenizer(tiny_model_dir), load_encoder(tiny_model_dir), AVG, **kw)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral"])
@@ -152,7 +153,7 @@ def test_the_lora_decoder_export_embeds_alike_in_sentence_transformers_transform
     # the kit on the merged export (as evaluate / mine / score load it)
     tok, enc = load_tokenizer(final), load_encoder(final).eval()
     settings = biencoder_settings(final, {})
-    prepare_embedder(tok, enc, settings["pooling"])
+    prepare_embedder(tok, enc, settings)
     q_batch, p_batch = tokenize(tok, TEXTS, 32, settings["query_prefix"]), tokenize(tok, TEXTS, 32)
     with torch.no_grad():
         kit_q, kit_p = (BiEncoder(enc, "last").embed(b) for b in (q_batch, p_batch))

@@ -37,6 +37,7 @@ BAD_FLAGS = [  # (flag, value, what argparse must say)
     ("--adam-beta2", "1.0", "must be at least 0 and below 1"),
     ("--weight-decay", "-0.1", "must be 0 or more"),
     ("--warmup-steps", "-5", "must be 0 or more"),
+    ("--seed", "-1", "must be 0 or more"),
     ("--batch-size", "two", "must be an integer, got 'two'"),
     ("--model", "/nonexistent/model", "no such directory: /nonexistent/model"),
 ]
@@ -147,14 +148,20 @@ def damage(ckpt_dir, how):
     elif how == "meta.json says step 99":
         meta = json.load(open(p("meta.json")))
         json.dump(dict(meta, step=99), open(p("meta.json"), "w"))
+    elif how == "meta.json without its loop state":
+        meta = json.load(open(p("meta.json")))
+        meta.pop("loop")
+        json.dump(meta, open(p("meta.json"), "w"))
     return {"truncated weights": "model.safetensors: damaged", "flipped bit in the weights": "model.safetensors: damaged",
             "no optimizer.pt": "optimizer.pt: missing", "truncated scheduler.pt": "scheduler.pt: damaged",
             "no rng_rank0.pt": "rng_rank0.pt: missing", "garbage meta.json": "meta.json: unreadable",
-            "empty meta.json": "meta.json: unreadable", "meta.json says step 99": "says step 99"}[how]
+            "empty meta.json": "meta.json: unreadable", "meta.json says step 99": "says step 99",
+            "meta.json without its loop state": "meta.json: unreadable (KeyError: 'loop')"}[how]
 
 
 DAMAGES = ["truncated weights", "flipped bit in the weights", "no optimizer.pt", "truncated scheduler.pt",
-           "no rng_rank0.pt", "garbage meta.json", "empty meta.json", "meta.json says step 99"]
+           "no rng_rank0.pt", "garbage meta.json", "empty meta.json", "meta.json says step 99",
+           "meta.json without its loop state"]
 
 
 @pytest.mark.slow
@@ -268,3 +275,33 @@ def test_every_flag_shows_its_default_in_help():
         silent = [a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"
                   and not (a.default is None or a.default is False) and "default" not in (a.help or "")]
         assert not silent, silent
+
+
+@pytest.mark.slow
+def test_a_resume_refuses_changed_data_or_model_and_applies_a_changed_lr(tiny_model_dir, no_dropout_dir,
+                                                                         small_train_file, tmp_path):
+    data = tmp_path / "train.jsonl"
+    shutil.copy(small_train_file, data)
+    ref = tmp_path / "ref"
+    args = base_args(tiny_model_dir, data, ref)[:-2]  # without --output-dir
+    done = run("train_biencoder.py", args + ["--max-steps", "4", "--warmup-steps", "1", "--output-dir", ref])
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = data.read_text().splitlines(keepends=True)
+    data.write_text("".join(reversed(lines)))  # regenerated: the same path, size and record count, other content
+    one_sentence(run("train_biencoder.py", args + ["--max-steps", "6", "--warmup-steps", "1", "--resume", "auto",
+                                                   "--output-dir", ref]),
+                 "was trained with other settings", "the training files", "'digest'")
+    data.write_text("".join(lines))
+    other = base_args(no_dropout_dir, data, ref)[:-2]
+    one_sentence(run("train_biencoder.py", other + ["--max-steps", "6", "--warmup-steps", "1", "--resume", "auto",
+                                                    "--allow-changed-args", "--output-dir", ref]),
+                 f"was trained from --model {tiny_model_dir}", "start a new run")
+    # --allow-changed-args --lr: the resumed steps train at the new peak LR, on the same schedule
+    again = run("train_biencoder.py", args + ["--max-steps", "4", "--warmup-steps", "1", "--lr", "1e-3",
+                                              "--resume", str(ref / "step_000002"), "--allow-changed-args",
+                                              "--output-dir", tmp_path / "again"])
+    assert again.returncode == 0 and "warning: --allow-changed-args: --lr" in again.stdout, again.stderr[-3000:]
+    old = {r["step"]: r["lr"] for r in map(json.loads, open(ref / "metrics.jsonl")) if r["split"] == "train"}
+    new = {r["step"]: r["lr"] for r in map(json.loads, open(tmp_path / "again" / "metrics.jsonl"))
+           if r["split"] == "train"}
+    assert sorted(new) == [3, 4] and all(abs(new[s] / old[s] - 1e-3 / 5e-5) < 1e-9 for s in (3, 4)), (old, new)
