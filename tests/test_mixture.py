@@ -90,8 +90,10 @@ def test_a_files_prompt_reaches_its_batches_only(tmp_path):
     args = cli.parse(cli.biencoder_parser(), ["--train-mix", str(mix), "--val-file", "", "--batch-size", "2"])
     files, _, mixture = read_train_val(cli.data_spec(args, ("query_prefix",)), 1)
     assert [(f.name, f.prompts) for f in files] == [("a", {"query_prefix": "query: "}), ("plain", {})]
+    from retrieval_kit.formats import file_digest
+
     assert args.train_file == [] and mixture[0] == {"name": "a", "file": str(a), "records": 8, "weight": None,
-                                     "batches_per_round": 4, "query_prefix": "query: "}
+                                     "batches_per_round": 4, "query_prefix": "query: ", "digest": file_digest(a)}
     ds = StepBatches(files, 2, 2, 0, 1, 0, [functools.partial(queries_only, **f.prompts) for f in files])
     for i in range(8):
         q = ds[i]["q"]
