@@ -182,7 +182,7 @@ def test_a_resume_mid_mixture_goes_on_exactly_and_a_changed_mix_is_refused(tiny_
     out = run_cli("train_biencoder.py", [changed if a == two_files else a for a in args] +
               ["--output-dir", tmp_path / "a", "--resume", "auto"])
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert "the training files (name, path, records, weight, batches per round, prompts)" in out.stdout + out.stderr
+    assert "the training files (name, path, records, weight, batches per round, prompts, content digest)" in out.stdout + out.stderr
 
 
 @pytest.mark.slow
