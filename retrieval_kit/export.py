@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from .ckpt import full_state_dict
 from .collate import PAIR, tokenize_bare, pair_layout, pair_post_processor
 from .dist import barrier, rank, unwrap
-from .flags import os_reason
+from .flags import writing
 from .lora import merged_state_dict, widest_dtype, write_adapter
 from .st_format import SETTINGS_FILE, load_settings, write_st_files
 
@@ -37,15 +37,13 @@ PROBES = [("how do i list files", "ls lists directory contents " * 200), ("q", "
           ("a fast compressor for data", "zstd is a fast lossless compression algorithm")]
 
 
+AFTER_EXPORT_FAILED = "the last checkpoint is intact: free space, then continue with --resume auto"
+
+
 def export_model(out_dir, model, tokenizer, settings, publish=True, card=None):
     """export_model_ (below); a failed write (a full disk) ends the run with one sentence."""
-    try:
+    with writing(f"the model to {out_dir}", then=AFTER_EXPORT_FAILED):
         return export_model_(out_dir, model, tokenizer, settings, publish, card)
-    except Exception as e:  # noqa: BLE001 - only a failed write becomes a sentence
-        if os_reason(e) is None:
-            raise
-        raise SystemExit(f"cannot write the model to {out_dir}: {os_reason(e)}; the last checkpoint is intact: free "
-                         "space, then continue with --resume auto") from None
 
 
 def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None):
@@ -202,9 +200,15 @@ def _tokenizer_matches(out_dir, tokenizer, layout, max_length, trust_remote_code
 def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False, card=None):
     """Write the reranker `net` (the unwrapped *ForSequenceClassification model, or its FSDP2 module)
     to `out_dir` as described in the module docstring; returns the settings written beside it.
+    A failed write (a full disk) ends the run with one sentence.
 
     `settings` holds pooling, bidirectional and the tokenization (prompt_template, rerank_max_length,
     append_eos, padding_side, pad_to_multiple_of)."""
+    with writing(f"the reranker to {out_dir}", then=AFTER_EXPORT_FAILED):
+        return _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card)
+
+
+def _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card):
     template, max_length = settings["prompt_template"], settings["rerank_max_length"]
     reasons = kit_only_reasons(settings["pooling"], settings.get("bidirectional", False),
                                settings.get("head", "classifier"))

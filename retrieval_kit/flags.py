@@ -54,14 +54,42 @@ class Repeatable(argparse.Action):
 
 
 def os_reason(e):
-    """An OSError (or safetensors' I/O error) in a few words, or None for any other exception."""
+    """A failed write or read in a few words, or None for any other exception (a bug): an OSError,
+    safetensors' I/O error, torch.save's (a RuntimeError from its zip writer when a write comes up
+    short: a full disk or a file-size limit), or a Rust library's "(os error N)" (tokenizers)."""
+    import re
+
     if isinstance(e, (FileExistsError, NotADirectoryError)):
         return "a part of the path is a file, not a folder"
     if isinstance(e, OSError):
         return (e.strerror or str(e)) + (f" ({e.filename})" if e.filename else "")
-    if type(e).__name__ == "SafetensorError" and "I/O error: " in str(e):
-        return str(e).split("I/O error: ")[-1]
+    text = str(e)
+    if type(e).__name__ == "SafetensorError" and "I/O error: " in text:
+        return text.split("I/O error: ")[-1]
+    if isinstance(e, RuntimeError) and ("inline_container.cc" in text or "PytorchStreamWriter" in text):
+        return "the file could not be written whole (a full disk or a file-size limit)"
+    found = re.search(r"\(os error (\d+)\)", text)
+    if found:
+        return os.strerror(int(found.group(1)))
     return None
+
+
+class writing:
+    """`with writing("the export to DIR", then="..."):` - a failed write inside (os_reason) ends the run
+    with one sentence: what could not be written, why, and `then` (what is intact, what to do; a
+    callable is asked when the write failed)."""
+
+    def __init__(self, what, then=""):
+        self.what, self.then = what, then
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, e, tb):
+        if e is not None and not isinstance(e, SystemExit) and os_reason(e) is not None:
+            then = self.then() if callable(self.then) else self.then  # a callable: decided when it failed
+            raise SystemExit(f"cannot write {self.what}: {os_reason(e)}" + (f"; {then}" if then else "")) from None
+        return False
 
 
 def check_writable_file(flag, path):

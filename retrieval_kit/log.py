@@ -11,6 +11,8 @@ import time
 import torch
 from tqdm import tqdm
 
+from .flags import writing
+
 
 def git_hash(path=None):
     try:
@@ -112,6 +114,14 @@ def keep_until(path, step):
     os.replace(path + ".tmp", path)
 
 
+def after_failed_write(run_dir):
+    """What the sentence of a failed write in a run folder says next: the newest intact checkpoint."""
+    from .ckpt import find_latest
+
+    return (f"the newest intact checkpoint is {find_latest(run_dir) or 'none'}: free space, then continue with "
+            "--resume auto")
+
+
 class Logger:
     """Writes scalars to tensorboard and metrics.jsonl and shows a tqdm bar; a no-op off rank 0."""
 
@@ -124,6 +134,11 @@ class Logger:
         self.last = {}
         if not enabled:
             return
+        self.failed = writing(f"the run's logs in {out_dir}", then=lambda: after_failed_write(out_dir))
+        with self.failed:
+            self._open(out_dir, header, total_steps, initial_step)
+
+    def _open(self, out_dir, header, total_steps, initial_step):
         from torch.utils.tensorboard import SummaryWriter
 
         os.makedirs(out_dir, exist_ok=True)
@@ -143,8 +158,9 @@ class Logger:
         for k, v in scalars.items():
             self.writer.add_scalar(f"{prefix}/{k}", v, step)
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in scalars.items()}
-        self.jsonl.write(json.dumps({"step": step, "split": prefix, **finite}) + "\n")  # NaN -> null: valid JSON
-        self.jsonl.flush()
+        with self.failed:  # a full disk: one sentence
+            self.jsonl.write(json.dumps({"step": step, "split": prefix, **finite}) + "\n")  # NaN -> null: valid JSON
+            self.jsonl.flush()
         if prefix == "train":
             self.bar.set_postfix({k: f"{scalars[k]:.4g}" for k in self.bar_keys if k in scalars}, refresh=False)
 

@@ -114,7 +114,8 @@ def main(argv=None):
     if ctx.is_main:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         kept = [(r, n) for r, n in zip(records, negs) if n]  # a query with no negative left teaches nothing
-        with open(args.out + ".tmp", "w", encoding="utf-8") as f:  # complete, or not there
+        with flags.writing(args.out, then="nothing was written there (the mining must run again)"), \
+                open(args.out + ".tmp", "w", encoding="utf-8") as f:  # complete, or not there
             for r, n in kept:
                 f.write(json.dumps({"query": r.query, "pos_doc": list(r.pos), "neg_doc": [texts[j] for j in n]},
                                    ensure_ascii=False) + "\n")

@@ -97,8 +97,44 @@ def score_block(scorer, records):
     return "".join(lines)
 
 
+def model_digest(model_dir):
+    """A fingerprint of an export: its small files by content, its weight files by size and mtime (a
+    re-export in place changes it; hashing gigabytes of weights at every start would not pay)."""
+    import hashlib
+
+    from .formats import file_digest
+
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(os.listdir(model_dir)):
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            continue
+        st = os.stat(path)
+        big = name.endswith((".safetensors", ".bin", ".pt", ".pth"))
+        h.update(f"{name}:{st.st_size}:{st.st_mtime_ns if big else file_digest(path)}\n".encode())
+    return h.hexdigest()
+
+
+def block_sum(path):
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def block_done(parts, b):
+    """Is block b written whole? Its file must match the checksum written beside it (else it is redone)."""
+    path = block_path(parts, b)
+    try:
+        with open(path + ".sha256") as f:
+            return f.read().strip() == block_sum(path)
+    except OSError:
+        return False
+
+
 def check_parts(parts, manifest):
-    """Start or continue OUT.parts: a manifest from another run (other input, model or blocks) is refused."""
+    """Start or continue OUT.parts: a manifest from another run (other input or its content, model or
+    its files, corpus, batch or block size) is refused, naming what differs."""
     path = os.path.join(parts, MANIFEST)
     if os.path.isfile(path):
         with open(path) as f:
@@ -144,29 +180,41 @@ def main(argv=None):
     dist.print0(records.summary)  # names the file
     scorer = Scorer(args.model, ctx.device, args.batch_size, args.trust_remote_code)
     parts = args.out + ".parts"
-    manifest = {"input": os.path.abspath(args.input), "model": os.path.abspath(args.model),
-                "corpus": args.corpus and os.path.abspath(args.corpus), "records": len(records),
-                "block_size": args.block_size}
+    from .formats import file_digest
+
+    manifest = {"input": os.path.abspath(args.input), "input_digest": file_digest(args.input),
+                "model": os.path.abspath(args.model), "model_digest": model_digest(args.model),
+                "corpus": args.corpus and os.path.abspath(args.corpus),
+                "corpus_digest": args.corpus and file_digest(args.corpus), "records": len(records),
+                "block_size": args.block_size, "batch_size": args.batch_size}  # the batch changes the padding
     if ctx.is_main:
         check_parts(parts, manifest)
     dist.barrier()
     n_blocks = -(-len(records) // args.block_size)
-    mine = [b for b in range(ctx.rank, n_blocks, ctx.world_size) if not os.path.isfile(block_path(parts, b))]
-    for b in tqdm(mine, desc=f"score ({scorer.kind})", unit="block", disable=not ctx.is_main):
-        text = score_block(scorer, [records[i] for i in range(b * args.block_size,
-                                                                min(len(records), (b + 1) * args.block_size))])
-        with open(block_path(parts, b) + ".tmp", "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(block_path(parts, b) + ".tmp", block_path(parts, b))
-    dist.barrier()
-    if ctx.is_main:
-        with open(args.out + ".partial", "w", encoding="utf-8") as out:
-            for b in range(n_blocks):
-                with open(block_path(parts, b), encoding="utf-8") as f:
-                    shutil.copyfileobj(f, out)
-        os.replace(args.out + ".partial", args.out)
-        shutil.rmtree(parts)
-        print(f"wrote {len(records)} records with {scorer.kind} scores to {args.out}")
+    mine = [b for b in range(ctx.rank, n_blocks, ctx.world_size) if not block_done(parts, b)]
+    redone = [b for b in mine if os.path.exists(block_path(parts, b))]
+    if redone:
+        print(f"warning: {parts}: block(s) {redone} do not match their checksums: scoring them again", flush=True)
+    with flags.writing(args.out, then=f"the blocks scored so far are kept in {parts}: free space, then run the same "
+                                      "command again"):  # a full disk, a file-size limit, a read-only folder
+        for b in tqdm(mine, desc=f"score ({scorer.kind})", unit="block", disable=not ctx.is_main):
+            text = score_block(scorer, [records[i] for i in range(b * args.block_size,
+                                                                    min(len(records), (b + 1) * args.block_size))])
+            with open(block_path(parts, b) + ".tmp", "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(block_path(parts, b) + ".tmp", block_path(parts, b))
+            with open(block_path(parts, b) + ".sha256.tmp", "w") as f:
+                f.write(block_sum(block_path(parts, b)))
+            os.replace(block_path(parts, b) + ".sha256.tmp", block_path(parts, b) + ".sha256")
+        dist.barrier()
+        if ctx.is_main:
+            with open(args.out + ".partial", "w", encoding="utf-8") as out:
+                for b in range(n_blocks):
+                    with open(block_path(parts, b), encoding="utf-8") as f:
+                        shutil.copyfileobj(f, out)
+            os.replace(args.out + ".partial", args.out)
+            shutil.rmtree(parts)
+            print(f"wrote {len(records)} records with {scorer.kind} scores to {args.out}")
     dist.cleanup()
 
 

@@ -168,10 +168,37 @@ def test_score_file_killed_and_resumed_or_on_two_ranks_equals_one_written_in_one
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not out.exists() and 3 <= len(list(parts.glob("block_*.jsonl"))) < 8
+    # a restart that would score otherwise is refused, naming what differs: the batch, the model, the input
+    def refused(extra, says):
+        res = python_run(["-m", "retrieval_kit.score", *(extra or args), "--out", out])
+        assert res.returncode == 1 and "Traceback" not in res.stderr and says in res.stderr, res.stderr[-2000:]
+    refused(args[:-1] + ["16"], "batch_size: 8 then, 16 now")
+    weights = os.path.join(model, "model.safetensors")
+    st = os.stat(weights)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10 ** 9))  # re-exported in place
+    refused(None, "model_digest")
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    text = inp.read_text()
+    inp.write_text("".join(reversed(text.splitlines(keepends=True))))  # edited in place, same size
+    refused(None, "input_digest")
+    inp.write_text(text)
+    damaged = sorted(parts.glob("block_*.jsonl"))[0]
+    damaged.write_text("")  # emptied by hand: redone
     again = run_score(args + ["--out", out])
     o, e = again.communicate(timeout=300)
-    assert again.returncode == 0, e[-3000:]
+    assert again.returncode == 0 and "do not match their checksums" in o + e, e[-3000:]
     assert out.read_bytes() == one_go.read_bytes() and not parts.exists()
+    # a file-size limit while the blocks are joined: one sentence, the blocks kept; then the same command ends it
+    from tests.test_runs import small_disk
+
+    limited = tmp / "limited.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "-m", "retrieval_kit.score", *map(str, args + ["--out", limited])], cwd=ROOT,
+                         env=env, preexec_fn=small_disk(one_go.stat().st_size // 2), capture_output=True, text=True)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert f"cannot write {limited}" in res.stderr and "File too large" in res.stderr and "kept in" in res.stderr
+    again = run_score(args + ["--out", limited])
+    assert again.wait(timeout=300) == 0 and limited.read_bytes() == one_go.read_bytes()
     two = tmp / "two_ranks.jsonl"
     proc = run_score(args + ["--out", two], nproc=2)
     o, e = proc.communicate(timeout=300)

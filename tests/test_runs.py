@@ -226,19 +226,33 @@ def test_chaos_random_sigkills_then_resume_until_done_is_bitwise_equal(finished,
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_FSIZE stands in for a full disk")
-def test_a_full_disk_is_one_sentence_and_keeps_the_checkpoints(tiny_model_dir, small_train_file, tmp_path):
+def small_disk(limit):
+    """A preexec_fn: writes past `limit` bytes per file fail with EFBIG, as a full disk fails with ENOSPC."""
     import resource
 
-    def small_disk():  # writes past 3 MB fail with EFBIG, as a full disk fails with ENOSPC
+    def apply():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (3_000_000, 3_000_000))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
 
+
+@pytest.mark.parametrize("limit,extra,says", [
+    (3_000_000, [], "cannot write the step 2 checkpoint in {r}: File too large"),  # model.safetensors (4 MB)
+    (6_000_000, [], "cannot write the step 2 checkpoint in {r}: the file could not be written whole"),  # torch.save
+    (1_000_000, ["--lora-rank", "4"], "cannot write the model to {r}/final: File too large"),  # the export
+])
+def test_a_full_disk_is_one_sentence_and_keeps_the_checkpoints(limit, extra, says, tiny_model_dir, small_train_file,
+                                                               tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "train_biencoder.py")] +
-                         base_args(tiny_model_dir, small_train_file, tmp_path / "r"), cwd=ROOT, env=env,
-                         preexec_fn=small_disk, capture_output=True, text=True, timeout=300)
-    one_sentence(out, f"cannot write the step 2 checkpoint in {tmp_path / 'r'}: File too large",
-                 "the newest intact checkpoint is none", "--resume auto")
+    args = base_args(tiny_model_dir, small_train_file, tmp_path / "r") + extra
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "train_biencoder.py")] + args, cwd=ROOT, env=env,
+                         preexec_fn=small_disk(limit), capture_output=True, text=True, timeout=300)
+    one_sentence(out, says.format(r=tmp_path / "r"), "--resume auto")
+    if extra:  # the export failed after the last checkpoint: a resume writes it, and nothing else
+        again = run("train_biencoder.py", args + ["--resume", "auto"])
+        assert again.returncode == 0 and (tmp_path / "r" / "final" / "model.safetensors").exists(), again.stderr[-2000:]
+    else:
+        assert "the newest intact checkpoint is none" in out.stderr
 
 
 @pytest.mark.slow
