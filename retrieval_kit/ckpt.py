@@ -467,6 +467,16 @@ def _decide_resume(run_dir, resume, overwrite, allow_changed, run_args, neutral,
     return resume_dir, None
 
 
+_run = {"dir": None}  # the run folder start_run decided on (for resume_note)
+
+
+def resume_note():
+    """What a run that cannot go on says last: its newest intact checkpoint and how to continue."""
+    newest = find_latest(_run["dir"]) if _run["dir"] and os.path.isdir(_run["dir"]) else None
+    return (f"the newest intact checkpoint is {newest}: when every rank can run again, continue with --resume auto"
+            if newest else "no checkpoint was written yet: start the run again")
+
+
 def start_run(run_dir, resume, run_args, neutral=frozenset(), overwrite=False, allow_changed=False):
     """Before anything is loaded: decide, once on rank 0 and shared with every rank, where this run
     starts. A folder that already holds a run is refused without `resume` (or cleared with
@@ -481,6 +491,7 @@ def start_run(run_dir, resume, run_args, neutral=frozenset(), overwrite=False, a
     resume_dir, error = decision[0]
     if error:
         raise SystemExit(error if rank() == 0 else 1)
+    _run["dir"] = run_dir
     return resume_dir
 
 

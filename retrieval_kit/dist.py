@@ -114,6 +114,24 @@ def seed_all(seed, rank, torch_per_rank=True):
     torch.manual_seed(seed + rank if torch_per_rank else seed)
 
 
+def peer_failure(e):
+    """What an exception says about the other ranks, in words (None: it is not about them): a peer
+    that died (its connection reset or closed) or a collective that waited past --dist-timeout."""
+    import re
+
+    name, text = type(e).__name__, str(e)
+    if not isinstance(e, RuntimeError) and not name.startswith("Dist"):
+        return None
+    if re.search(r"timed out|timeout", text, re.I) and (name.startswith("Dist") or re.search(r"gloo|nccl|collective",
+                                                                                              text, re.I)):
+        return "a collective waited past --dist-timeout: another rank hung (stopped or stuck)"
+    if re.search(r"Connection (reset|closed) by peer|Broken pipe|Connection refused|communicator was aborted", text):
+        return "another rank stopped answering (it died or was killed)"
+    if name.startswith("Dist"):
+        return f"the process group failed ({text.strip().splitlines()[0] if text.strip() else name})"
+    return None
+
+
 def cleanup():
     if dist.is_initialized():
         dist.destroy_process_group()

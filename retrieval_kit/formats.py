@@ -38,13 +38,27 @@ def file_digest(path, block=1 << 22):
 
 def exit_on_data_error(main):
     """Run an entry point's main(): a DataError (a user's bad or missing file) ends the run with its
-    message (printed once, by rank 0 under torchrun) and exit status 1, not a traceback."""
-    from .dist import is_main
+    message (printed once, by rank 0 under torchrun) and exit status 1, not a traceback. A rank that
+    lost a peer (dead, or hung past --dist-timeout: dist.peer_failure) says so in one line with the
+    newest intact checkpoint and exits at once: the process group's teardown would wait on the lost
+    peer forever."""
+    import os
+    import sys
+
+    from .dist import is_main, peer_failure, rank
 
     try:
         return main()
     except DataError as e:
         raise SystemExit(str(e) if is_main() else 1) from None
+    except Exception as e:  # noqa: BLE001 - only a lost peer is handled here
+        what = peer_failure(e)
+        if what is None:
+            raise
+        from .ckpt import resume_note
+
+        print(f"rank {rank()}: {what}; {resume_note()}", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def format_problems(problems, limit=50):
