@@ -75,3 +75,23 @@ def test_evaluate_refuses_a_biencoder_as_reranker_and_dims_beyond_the_embedding(
         res = python_run(["-m", "retrieval_kit.evaluate", "--model", out, "--beir", small_beir, *extra],
                          cwd=ROOT)
         assert res.returncode in (1, 2) and "Traceback" not in res.stderr and says in res.stderr, res.stderr[-2000:]
+
+
+def test_a_full_disk_reads_the_same_from_python_torch_save_and_tokenizers(tokenizer):
+    """/dev/full fails every write with ENOSPC: each writer's own error becomes the one reason."""
+    from retrieval_kit.flags import os_reason, writing
+
+    writers = {"tokenizers": lambda: tokenizer.backend_tokenizer.save("/dev/full"),
+               "torch.save": lambda: torch.save({"w": torch.zeros(100_000)}, "/dev/full"),
+               "python": lambda: open("/dev/full", "w").write("x" * 100_000)}
+    for name, write in writers.items():
+        with pytest.raises(Exception) as got:
+            write()
+        assert os_reason(got.value) in ("No space left on device", "the file could not be written whole (a full disk "
+                                        "or a file-size limit)"), (name, got.value)
+        with pytest.raises(SystemExit, match=r"cannot write the export: .+; the last checkpoint is intact"):
+            with writing("the export", then=lambda: "the last checkpoint is intact"):
+                write()
+    with pytest.raises(ValueError):  # anything else is a bug: its traceback stays
+        with writing("the export"):
+            raise ValueError("not a write")
