@@ -118,7 +118,8 @@ def main():
                                                              args.val_batch_size, ctx.device, dims[0],
                                                              ctx.is_main).items():
                     logger.log_eval(step, metrics, prefix, f"{args.eval_beir} {prefix}")
-        if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping):
+        best_now = state.observe(args.select_best, logger.last, step)  # --select-best: checkpoint a new best
+        if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping) or best_now:
             ckpt.save_checkpoint(args.output_dir, step, encoder, optimizer, scheduler,
                                  state.state_dict(dataset.steps_per_epoch, args.grad_accum_steps), vars(args),
                                  wrapped=model, keep_last=args.keep_last,
@@ -138,12 +139,12 @@ def main():
         return loop.stop_early(logger, stop, state.step, args.output_dir)
 
     # ----- export --------------------------------------------------------------------------------
-    loss = {"InfoNCE temperature": args.temperature, "in-batch negatives": args.in_batch_negatives, "gathered": gather,
-            "duplicates masked": args.mask_duplicates, "Matryoshka dims": dims[0], "distill weight": args.distill_weight}
+    selected = ckpt.load_best(encoder, args.output_dir, state.best, state.step)  # --select-best: that step's weights
     final = export_model(os.path.join(args.output_dir, "final"), encoder, tokenizer,
                          {"kind": "biencoder", **settings, "temperature": args.temperature, "matryoshka_dims": dims[0],
-                          "train_files": args.train_mixture},  # each file's own prompts among them
-                         card=model_card("biencoder", model_dir, args.train_mixture, state.step, loss, logger.last))
+                          "train_files": args.train_mixture, "selected": selected},  # each file's own prompts among them
+                         card=model_card("biencoder", model_dir, args.train_mixture, state.step,
+                                         cli.loss_summary(args, gather, dims[0]), logger.last))
     loop.end_run(logger, f"exported the bi-encoder to {final}")
 
 

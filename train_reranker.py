@@ -170,7 +170,8 @@ def main():
             metrics = loop.validate_groups(eval_model, val_records, args.val_n_passages, args.val_batch_size, ctx,
                                            val_score)
             logger.log_eval(step, metrics)
-        if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping):
+        best_now = state.observe(args.select_best, logger.last, step)  # --select-best: checkpoint a new best
+        if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping) or best_now:
             ckpt.save_checkpoint(args.output_dir, step, net, optimizer, scheduler,
                                  {**state.state_dict(dataset.steps_per_epoch, args.grad_accum_steps),
                                   "tokenization": tok_settings}, vars(args), wrapped=model, keep_last=args.keep_last,
@@ -191,11 +192,12 @@ def main():
 
     # ----- export --------------------------------------------------------------------------------
     final = os.path.join(args.output_dir, "final")
-    loss = {args.loss: f"{args.n_passages} pairs per query", "distill weight": args.distill_weight}
+    selected = ckpt.load_best(net, args.output_dir, state.best, state.step)  # --select-best: that step's weights
     export_reranker(final, net, tokenizer, {"kind": "reranker", "pooling": args.pooling, "bidirectional": args.bidirectional,
                                             "loss": args.loss, "head": args.head, "lm_token_ids": lm_ids,
-                                            **tok_settings}, args.trust_remote_code,
-                    card=model_card("reranker", model_dir, args.train_mixture, state.step, loss, logger.last))
+                                            "selected": selected, **tok_settings}, args.trust_remote_code,
+                    card=model_card("reranker", model_dir, args.train_mixture, state.step, cli.loss_summary(args),
+                                    logger.last))
     loop.end_run(logger, f"exported the reranker to {final}")
 
 

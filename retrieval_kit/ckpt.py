@@ -173,7 +173,7 @@ def _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, arg
         with open(os.path.join(run_dir, "latest.tmp"), "w") as f:
             f.write(name + "\n")
         os.replace(os.path.join(run_dir, "latest.tmp"), os.path.join(run_dir, "latest"))
-        prune(run_dir, keep_last)
+        prune(run_dir, keep_last, keep=((loop_state or {}).get("best") or {}).get("step"))
     barrier()
     return final
 
@@ -630,10 +630,30 @@ class StopSignal:
         return self.name is not None
 
 
-def prune(run_dir, keep_last):
-    """Delete all but the newest `keep_last` complete checkpoints (rank 0; 0 keeps all)."""
+def prune(run_dir, keep_last, keep=None):
+    """Delete all but the newest `keep_last` complete checkpoints (rank 0; 0 keeps all), and step
+    `keep` (--select-best's best step)."""
     if keep_last <= 0 or rank() != 0:
         return
     done = sorted(d for d in os.listdir(run_dir) if d.startswith("step_") and is_complete(os.path.join(run_dir, d)))
     for d in done[:-keep_last]:
-        shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
+        if keep is None or d != f"step_{keep:06d}":
+            shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
+
+
+def load_best(model, run_dir, best, step):
+    """--select-best, before the export: the best validated step's weights into `model` (the raw HF
+    model on every rank, DDP or one process) when it is not the last step; says which step the export
+    holds. Returns `best` (None without --select-best)."""
+    if best is None:
+        return None
+    if best["step"] != step:
+        path = os.path.join(run_dir, f"step_{best['step']:06d}")
+        if load_meta(path).get("model_subset") == "trained":
+            load_trained_weights(model, path)
+        else:
+            load_model_weights(model, path)
+    if rank() == 0:
+        print(f"--select-best {best['metric']}: the export holds step {best['step']} ({best['metric']} "
+              f"{best['value']:.4f}, the best validated){'' if best['step'] != step else ', the last step'}", flush=True)
+    return best

@@ -330,6 +330,15 @@ def precision_dtypes(args):
     return resolve(args.torch_dtype, args.force_fp32_params, args.compute_dtype, args.parallel, args.lora_rank > 0)
 
 
+def loss_summary(args, gather=None, dims=None):
+    """What the loss was, in words, for an export's model card."""
+    if hasattr(args, "temperature"):  # the bi-encoder
+        return {"InfoNCE temperature": args.temperature, "in-batch negatives": args.in_batch_negatives,
+                "gathered": gather, "duplicates masked": args.mask_duplicates, "Matryoshka dims": dims,
+                "distill weight": args.distill_weight}
+    return {args.loss: f"{args.n_passages} pairs per query", "distill weight": args.distill_weight}
+
+
 def lora_settings(args, base_model, storage_dtype):
     """The keyword arguments of lora.apply_each that come from flags."""
     from .precision import trained_dtype
@@ -364,6 +373,10 @@ def add_run_args(parser, val_batch_size):
          help="DataLoader worker processes that sample, tokenize, pad and plan the chunks of each "
               "micro-batch ahead of the model (0 = in the training process; default: 0 on CPU, "
               "where workers take cores from the model, 2 on CUDA)")
+    flag(g, "--select-best", type=flags.metric_name, default=None,
+         help="export the weights of the validation step best on this metric, e.g. val/loss (lower is better), "
+              "val/acc@1, val/mrr or beir/ndcg@10 (higher is better); its checkpoint is kept whatever --keep-last "
+              "says, and final/retrieval_kit.json names the step (default off: the last step)")
     return g
 
 
@@ -500,6 +513,9 @@ def parse(parser, argv=None):
     if getattr(args, "rerank_max_length", None) and args.n_passages < 2:
         raise SystemExit(f"--n-passages {args.n_passages}: a reranker learns by ranking a query's positive above its "
                          "negatives; give it 2 or more pairs per query")
+    if args.select_best and args.parallel == "fsdp2":
+        raise SystemExit("--select-best: not with --parallel fsdp2 yet (the best step's weights are loaded back "
+                         "into the model before the export, which the kit does for DDP and one process only)")
     if args.sharded_checkpoints and args.parallel != "fsdp2":
         raise SystemExit("--sharded-checkpoints: only with --parallel fsdp2 (under DDP every rank holds the whole "
                          "model and rank 0 writes it as one file)")

@@ -34,6 +34,14 @@ fraction = _checked(float, lambda v: 0 <= v <= 1, "must be between 0 and 1")
 beta = _checked(float, lambda v: 0 <= v < 1, "must be at least 0 and below 1")  # an Adam beta
 
 
+def metric_name(text):
+    """A logged metric, "split/name" (val/loss, beir/ndcg@10): lower is better for a loss, else higher."""
+    split, _, name = text.partition("/")
+    if not split or not name:
+        raise argparse.ArgumentTypeError(f"must be split/name as logged, e.g. val/loss or beir/ndcg@10, got {text!r}")
+    return text
+
+
 def listed(item):
     """A comma-separated list of `item` values ("384,256,128"), each checked by `item`."""
     def parse(text):

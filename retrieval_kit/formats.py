@@ -45,14 +45,14 @@ def exit_on_data_error(main):
     import os
     import sys
 
-    from .dist import is_main, peer_failure, rank
+    from .dist import is_main, peer_failure, rank, world_size
 
     try:
         return main()
     except DataError as e:
         raise SystemExit(str(e) if is_main() else 1) from None
     except Exception as e:  # noqa: BLE001 - only a lost peer is handled here
-        what = peer_failure(e)
+        what = peer_failure(e) if world_size() > 1 else None
         if what is None:
             raise
         from .ckpt import resume_note

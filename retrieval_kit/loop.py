@@ -112,16 +112,34 @@ class LoopState:
     bad_in_a_row: int = 0
     stopping: bool = False
     loss_avg: WindowedAverage = field(default_factory=WindowedAverage)
+    best: dict = None  # --select-best: {"metric", "value", "step"} of the best validation so far
 
     def state_dict(self, steps_per_epoch, accum):
         epoch, pos = divmod(self.step * accum, steps_per_epoch)
         return {"loss_avg": self.loss_avg.state_dict(), "skipped_steps": self.skipped, "epoch": epoch,
-                "position_in_epoch": pos}
+                "position_in_epoch": pos, "best": self.best}
 
     def load(self, meta):
         self.step = meta["step"]
         self.loss_avg.load_state_dict(meta["loop"]["loss_avg"])
         self.skipped = meta["loop"].get("skipped_steps", 0)
+        self.best = meta["loop"].get("best")
+
+    def observe(self, metric, logged, step):
+        """--select-best: is the validation just logged at `step` (`logged`: Logger.last, {split: {"step",
+        name: value}}) the best so far on `metric` ("split/name"; a loss is better lower)? Then it is
+        kept as `best`, and its step must be checkpointed."""
+        split, _, name = (metric or "").partition("/")
+        row = logged.get(split) or {}
+        if not metric or row.get("step") != step or name not in row:
+            return False
+        value, lower = row[name], name.endswith("loss")
+        better = self.best is None or (value < self.best["value"] if lower else value > self.best["value"])
+        if dist.world_size() > 1:  # every rank checkpoints on the same decision (the metrics are reduced anyway)
+            better = dist.all_reduce_sum([better])[0] > 0
+        if better:
+            self.best = {"metric": metric, "value": value, "step": step}
+        return better
 
 
 class StepSums:

@@ -319,3 +319,38 @@ def test_a_resume_refuses_changed_data_or_model_and_applies_a_changed_lr(tiny_mo
     new = {r["step"]: r["lr"] for r in map(json.loads, open(tmp_path / "again" / "metrics.jsonl"))
            if r["split"] == "train"}
     assert sorted(new) == [3, 4] and all(abs(new[s] / old[s] - 1e-3 / 5e-5) < 1e-9 for s in (3, 4)), (old, new)
+
+
+@pytest.mark.slow
+def test_select_best_exports_the_best_validated_step_keeps_its_checkpoint_and_resumes(tiny_model_dir,
+                                                                                      small_train_file, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    def args(out, steps, *extra):  # a high constant LR: validation gets worse after the base model's
+        return ["--model", tiny_model_dir, "--train-file", small_train_file, "--val-file",
+                os.path.join(ROOT, "data", "val.jsonl"), "--val-max-groups", "32", "--batch-size", "4",
+                "--passage-max-length", "32", "--max-steps", str(steps), "--val-every", "2", "--ckpt-every", "4",
+                "--keep-last", "1", "--lr", "0.05", "--lr-schedule", "constant", "--warmup-steps", "0",
+                "--select-best", "val/loss", "--output-dir", str(out), *extra]
+    whole = tmp_path / "whole"
+    done = run("train_biencoder.py", args(whole, 8))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(l) for l in open(whole / "metrics.jsonl")]
+    val = {r["step"]: r["loss"] for r in rows if r["split"] == "val"}
+    best = min(val, key=val.get)
+    selected = json.loads((whole / "final" / "retrieval_kit.json").read_text())["selected"]
+    assert selected == {"metric": "val/loss", "value": val[best], "step": best}, (selected, val)
+    assert f"--select-best val/loss: the export holds step {best}" in done.stdout
+    kept = sorted(d for d in os.listdir(whole) if d.startswith("step_"))
+    assert kept == sorted({f"step_{best:06d}", "step_000008"})  # the best kept whatever --keep-last 1 says
+    final, at_best = load_file(whole / "final" / "model.safetensors"), load_file(whole / kept[0] / "model.safetensors")
+    assert all(torch.equal(final[k], at_best[k]) for k in at_best)
+    # the best so far is part of the loop state: a run stopped at step 4 and resumed selects the same
+    split = tmp_path / "split"
+    assert run("train_biencoder.py", args(split, 4)).returncode == 0
+    again = run("train_biencoder.py", args(split, 8, "--resume", "auto"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((split / "final" / "retrieval_kit.json").read_text())["selected"] == selected
+    other = load_file(split / "final" / "model.safetensors")
+    assert all(torch.equal(final[k], other[k]) for k in final)
