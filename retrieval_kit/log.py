@@ -155,10 +155,10 @@ class Logger:
         self.last[prefix] = {"step": step, **scalars}  # the newest of each split (an export's model card)
         if not self.enabled:
             return
-        for k, v in scalars.items():
-            self.writer.add_scalar(f"{prefix}/{k}", v, step)
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in scalars.items()}
-        with self.failed:  # a full disk: one sentence
+        with self.failed:  # a full disk: one sentence (tensorboard's writer thread raises its error here too)
+            for k, v in scalars.items():
+                self.writer.add_scalar(f"{prefix}/{k}", v, step)
             self.jsonl.write(json.dumps({"step": step, "split": prefix, **finite}) + "\n")  # NaN -> null: valid JSON
             self.jsonl.flush()
         if prefix == "train":

@@ -95,3 +95,17 @@ def test_a_full_disk_reads_the_same_from_python_torch_save_and_tokenizers(tokeni
     with pytest.raises(ValueError):  # anything else is a bug: its traceback stays
         with writing("the export"):
             raise ValueError("not a write")
+
+
+def test_a_log_write_that_fails_is_one_sentence_naming_the_newest_checkpoint(tmp_path):
+    from retrieval_kit.log import Logger
+
+    logger = Logger(str(tmp_path), {}, total_steps=10)
+    logger.log(1, {"loss": 1.0})
+    logger.jsonl = open("/dev/full", "w")  # the disk fills up mid-run
+    with pytest.raises(SystemExit, match=f"cannot write the run's logs in {tmp_path}: No space left on device; the "
+                                         "newest intact checkpoint is none: free space, then continue with --resume "
+                                         "auto"):
+        logger.log(2, {"loss": 0.5})
+    logger.jsonl = open(tmp_path / "metrics.jsonl", "a")
+    logger.close()
