@@ -35,9 +35,9 @@ def main():
     dist.seed_all(args.seed, ctx.rank)  # dropout differs per rank; data order comes from args.seed
 
     # ----- data: read and validate everything before any model is loaded -----------------------
-    files, val_records, args.train_mixture = records.read_train_val(  # [TrainFile]: each its records
-        cli.data_spec(args, cli.BIENCODER_PROMPT_KEYS), ctx.world_size)  # the mixture: kept with the args
-    beir = evaluate.load_beir(args.eval_beir) if args.eval_beir else None
+    files, val_records, args.train_mixture, dev = records.read_train_val(  # [TrainFile]: each its records; dev:
+        cli.data_spec(args, cli.BIENCODER_PROMPT_KEYS), ctx.world_size)  # --dev-queries; the mixture: in the args
+    retrieval = {k: v for k, v in (("beir", args.eval_beir and evaluate.load_beir(args.eval_beir)), ("dev", dev)) if v}
     gather = args.gather_negatives if args.gather_negatives is not None else ctx.world_size > 1
 
     # ----- model in the storage dtype; resume, part 1: weights -> cast --------------------------
@@ -113,11 +113,11 @@ def main():
                 metrics = loop.validate_groups(eval_model, val_records, args.val_n_passages, args.val_batch_size,
                                                ctx, val_score)
                 logger.log_eval(step, metrics)
-            if beir:  # beir/*, and beir_dim{d}/* for each Matryoshka size
-                for prefix, metrics in evaluate.beir_metrics(eval_model, tokenizer, settings, beir, args.eval_k,
-                                                             args.val_batch_size, ctx.device, dims[0],
-                                                             ctx.is_main).items():
-                    logger.log_eval(step, metrics, prefix, f"{args.eval_beir} {prefix}")
+            for name, corpus in retrieval.items():  # beir/* (--eval-beir), dev/* (--dev-queries); {name}_dim{d}/*
+                for prefix, metrics in evaluate.beir_metrics(eval_model, tokenizer, settings, corpus, args.eval_k,
+                                                             args.val_batch_size, ctx.device, dims[0], ctx.is_main,
+                                                             name).items():
+                    logger.log_eval(step, metrics, prefix, f"{args.eval_beir} {prefix}" if name == "beir" else prefix)
         best_now = state.observe(args.select_best, logger.last, step)  # --select-best: checkpoint a new best
         if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping) or best_now:
             ckpt.save_checkpoint(args.output_dir, step, encoder, optimizer, scheduler,

@@ -89,7 +89,7 @@ def main():
     dist.seed_all(args.seed, ctx.rank, torch_per_rank=False)  # the same fresh head on every rank
 
     # ----- data: read and validate everything before any model is loaded -----------------------
-    files, val_records, args.train_mixture = records.read_train_val(  # [TrainFile]: each its records
+    files, val_records, args.train_mixture, _ = records.read_train_val(  # [TrainFile]: each its records
         cli.data_spec(args, cli.RERANKER_PROMPT_KEYS), ctx.world_size)  # the mixture: kept with the args
 
     # ----- model in the storage dtype, how pairs become tokens; resume, part 1: weights -> cast ---

@@ -136,7 +136,8 @@ def data_spec(args, prompt_keys=()):
                     prompt_keys=tuple(prompt_keys), corpus=args.corpus, fill_negatives=args.fill_negatives,
                     n_passages=args.n_passages, batch_size=args.batch_size, val_file=args.val_file,
                     val_n_passages=args.val_n_passages, val_max_groups=args.val_max_groups,
-                    need_scores=args.distill_weight > 0)
+                    need_scores=args.distill_weight > 0, dev_queries=getattr(args, "dev_queries", 0),
+                    dev_corpus_size=getattr(args, "dev_corpus_size", 0), seed=args.seed)
 
 
 # ----- model settings (bi-encoder) ---------------------------------------------------------------
@@ -385,7 +386,14 @@ def add_beir_eval_args(g):
          help="BEIR folder for full-corpus retrieval evaluation at each validation (e.g. data/eval; default off: "
               "encoding a corpus is slow on CPU)")
     flag(g, "--eval-k", type=flags.positive_int, default=100, neutral=True,
-         help="docs retrieved per query in --eval-beir (default 100)")
+         help="docs retrieved per query in --eval-beir and --dev-queries (default 100)")
+    flag(g, "--dev-queries", type=flags.nonneg_int, default=0,
+         help="hold N training records out of training (a seeded draw, the same on a resume) as a retrieval dev "
+              "set, evaluated like --eval-beir at every validation as dev/* (e.g. --select-best dev/ndcg@10); "
+              "default 0 = off")
+    flag(g, "--dev-corpus-size", type=flags.nonneg_int, default=10000,
+         help="--dev-queries' corpus: the held-out groups' passages plus a seeded sample of other training "
+              "passages up to this many (0 = all; default 10000)")
 
 
 # ----- checkpoints -------------------------------------------------------------------------------

@@ -88,12 +88,14 @@ def retrieve_dims(model, tokenizer, settings, beir, dims, k=100, batch_size=64, 
     return runs
 
 
-def beir_metrics(model, tokenizer, settings, beir, k=100, batch_size=64, device="cpu", dims=(), progress=False):
-    """{log prefix: retrieval metrics}: "beir" for the whole embedding, "beir_dim{d}" for each
-    Matryoshka size in `dims` below it; `progress`: encoding progress bars (rank 0)."""
+def beir_metrics(model, tokenizer, settings, beir, k=100, batch_size=64, device="cpu", dims=(), progress=False,
+                 name="beir"):
+    """{log prefix: retrieval metrics}: `name` ("beir"; "dev" for --dev-queries) for the whole
+    embedding, "{name}_dim{d}" for each Matryoshka size in `dims` below it; `progress`: encoding
+    progress bars (rank 0)."""
     sizes = [None] + [d for d in dims if d is not None]
     runs = retrieve_dims(model, tokenizer, settings, beir, sizes, k, batch_size, device, progress)
-    return {"beir" if d is None else f"beir_dim{d}": retrieval_metrics(run, beir[3]) for d, run in runs.items()}
+    return {name if d is None else f"{name}_dim{d}": retrieval_metrics(run, beir[3]) for d, run in runs.items()}
 
 
 def fuse_scores(rr, bi, weight):

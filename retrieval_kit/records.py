@@ -15,7 +15,7 @@ Every bad line is reported as `file:line: problem`, all of them at once, before 
 
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -237,19 +237,91 @@ class DataSpec:
     val_n_passages: int = 4
     val_max_groups: int = 0
     need_scores: bool = False  # distillation: every training file must carry teacher scores
+    dev_queries: int = 0  # --dev-queries: training records held out as a retrieval dev set (hold_out_dev)
+    dev_corpus_size: int = 10000
+    seed: int = 0
+
+
+class Subset:
+    """Records `base` without some: len and indexing over the kept ones; anything else is the base's."""
+
+    def __init__(self, base, keep):
+        self.base, self.keep = base, keep
+
+    def __len__(self):
+        return len(self.keep)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.base[j] for j in self.keep[i]]
+        return self.base[self.keep[i]]
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+
+def hold_out_dev(files, n, corpus_size, seed):
+    """--dev-queries: draw `n` training records (seeded by `seed`: a resume holds out the same ones), take
+    them out of training (each file's records become a Subset), and return them as a BEIR-style dev set
+    (ids, texts, queries, qrels) for evaluate.beir_metrics: their queries; as corpus their positives
+    and every passage of their groups, plus a seeded sample of other training passages up to
+    `corpus_size` (0: all); relevant = each query's positives. Returns (files, dev, summary)."""
+    import random
+
+    total = sum(len(f.records) for f in files)
+    if n >= total:
+        raise SystemExit(f"--dev-queries {n}: the training files hold {total} records; hold out fewer")
+    rng = random.Random(f"dev-{seed}")
+    chosen = sorted(rng.sample(range(total), n))
+    held, out, start = [], [], 0
+    for f in files:
+        mine = {i - start for i in chosen if start <= i < start + len(f.records)}
+        held += [f.records[i] for i in sorted(mine)]
+        out.append(replace(f, records=Subset(f.records, [i for i in range(len(f.records)) if i not in mine])))
+        start += len(f.records)
+    ids, texts, index = [], [], {}
+
+    def add(text):
+        if text not in index:
+            index[text] = f"d{len(texts)}"
+            ids.append(index[text])
+            texts.append(text)
+        return index[text]
+    queries, qrels = {}, {}
+    for k, r in enumerate(held):
+        qid = f"q{k}"
+        queries[qid] = r.query
+        qrels[qid] = {add(p): 1 for p in r.pos}
+        for p in r.neg:
+            add(p)
+    stores = list({id(f.records.passages): f.records.passages for f in files}.values())  # a shared corpus once
+    pool = sum(len(st) for st in stores)
+    target = pool + len(texts) if corpus_size <= 0 else corpus_size
+    for j in rng.sample(range(pool), min(pool, max(0, target - len(texts)) + len(texts))):  # room for repeats
+        if len(texts) >= target:
+            break
+        for st in stores:
+            if j < len(st):
+                add(st[j])
+                break
+            j -= len(st)
+    summary = (f"dev: {n} training records held out (seed {seed}): {n} queries over {len(texts):,} passages "
+               f"(their groups + a sample of the training passages)")
+    return out, (ids, texts, queries, qrels), summary
 
 
 def read_train_val(spec, world_size):
     """Read and validate the training files (training_files) and the validation file (and the
-    corpus) of a DataSpec, before any model is loaded. Returns ([TrainFile], val_records, mixture):
+    corpus) of a DataSpec, before any model is loaded. Returns ([TrainFile], val_records, mixture, dev):
     `mixture` says what the files are (name, path, records, weight, batches per round, prompts) -
     a script keeps it with its args, so a resume on other data is refused as a changed arg. What
     was read and any warnings are printed on rank 0. A file with fewer records than one global
-    batch is an error."""
+    batch is an error. `dev`: the --dev-queries set (hold_out_dev), else None."""
     from .dist import print0
 
     entries = training_files(spec)
     corpus = read_corpus(spec.corpus) if spec.corpus else None
+    dev = None
     if corpus is not None:
         print0(f"corpus: {spec.corpus}: {len(corpus):,} documents")
     files, warnings = [], []
@@ -272,6 +344,9 @@ def read_train_val(spec, world_size):
         if steps_per_epoch(len(f.records), spec.batch_size, world_size) == 0:
             raise SystemExit(f"{f.path}: {len(f.records)} records are fewer than one global batch "
                              f"({spec.batch_size} x {world_size} ranks)")
+    if spec.dev_queries:
+        files, dev, said = hold_out_dev(files, spec.dev_queries, spec.dev_corpus_size, spec.seed)
+        print0(said)
     quotas = mixture_quotas([steps_per_epoch(len(f.records), spec.batch_size, world_size) for f in files],
                             [f.weight for f in files])
     corpus_digest = {"corpus_digest": file_digest(spec.corpus)} if spec.corpus else {}
@@ -283,4 +358,4 @@ def read_train_val(spec, world_size):
             f"{f.name} {q} ({q / sum(quotas):.1%})" for f, q in zip(files, quotas)))
     for w in warnings:
         print0(f"warning: {w}")
-    return files, val_records, mixture
+    return files, val_records, mixture, dev

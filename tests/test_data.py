@@ -181,3 +181,24 @@ def test_a_bad_file_is_one_message_not_a_traceback(tmp_path, entry):
     out = python_run(cmd, cwd=tmp_path)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert f"{bad}:1: not UTF-8 text" in out.stderr and f"{bad}:2: invalid JSON" in out.stderr
+
+
+def test_dev_queries_are_held_out_of_training_by_a_seeded_draw(small_train_file):
+    from retrieval_kit.data import TrainFile
+    from retrieval_kit.records import hold_out_dev, read_records
+
+    records, _ = read_records(small_train_file, 2)
+    files, (ids, texts, queries, qrels), said = hold_out_dev([TrainFile(records)], 8, 100, seed=3)
+    kept = [r.query for r in files[0].records]
+    assert len(kept) == 56 and len(queries) == 8 and "8 training records held out (seed 3)" in said
+    assert not set(queries.values()) & set(kept)  # (the 64 records' queries are distinct)
+    by_text = dict(zip(ids, texts))
+    for qid, rel in qrels.items():
+        held = next(r for r in records if r.query == queries[qid])
+        assert {by_text[d] for d in rel} == set(held.pos) and set(held.neg) <= set(texts)
+    assert len(texts) == 100 and len(set(texts)) == 100  # the groups' passages + a sample, up to the size
+    again = hold_out_dev([TrainFile(records)], 8, 100, seed=3)
+    assert again[1][2] == queries and again[1][1] == texts  # a resume holds out the same
+    assert hold_out_dev([TrainFile(records)], 8, 100, seed=4)[1][2] != queries
+    with pytest.raises(SystemExit, match="--dev-queries 64: the training files hold 64 records"):
+        hold_out_dev([TrainFile(records)], 64, 100, seed=3)

@@ -88,7 +88,7 @@ def test_a_files_prompt_reaches_its_batches_only(tmp_path):
     entries = read_mix(str(mix), ("query_prefix",))
     assert [e["file"] for e in entries] == [str(a), str(b)]  # relative to the mix file
     args = cli.parse(cli.biencoder_parser(), ["--train-mix", str(mix), "--val-file", "", "--batch-size", "2"])
-    files, _, mixture = read_train_val(cli.data_spec(args, ("query_prefix",)), 1)
+    files, _, mixture, _ = read_train_val(cli.data_spec(args, ("query_prefix",)), 1)
     assert [(f.name, f.prompts) for f in files] == [("a", {"query_prefix": "query: "}), ("plain", {})]
     from retrieval_kit.formats import file_digest
 

@@ -354,3 +354,37 @@ def test_select_best_exports_the_best_validated_step_keeps_its_checkpoint_and_re
     assert json.loads((split / "final" / "retrieval_kit.json").read_text())["selected"] == selected
     other = load_file(split / "final" / "model.safetensors")
     assert all(torch.equal(final[k], other[k]) for k in final)
+
+
+@pytest.mark.slow
+def test_dev_queries_are_scored_at_each_validation_as_evaluate_scores_the_held_out_set(tiny_model_dir, tmp_path):
+    from retrieval_kit.data import TrainFile
+    from retrieval_kit.records import hold_out_dev, read_records
+
+    out = tmp_path / "run"
+    train = os.path.join(ROOT, "data", "train.jsonl")
+    done = run("train_biencoder.py", ["--model", tiny_model_dir, "--train-file", train, "--val-file", "",
+                                      "--batch-size", "8", "--passage-max-length", "32", "--max-steps", "4",
+                                      "--warmup-steps", "1", "--val-every", "2", "--dev-queries", "40",
+                                      "--dev-corpus-size", "400", "--select-best", "dev/ndcg@10", "--output-dir", out])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dev: 40 training records held out (seed 42): 40 queries over 400 passages" in done.stdout
+    header = json.loads((out / "run_header.json").read_text())
+    assert header["n_train"] == 2975 - 40
+    rows = [json.loads(l) for l in open(out / "metrics.jsonl")]
+    assert sorted(r["step"] for r in rows if r["split"] == "dev") == [0, 2, 4]
+    # the same held-out set as a BEIR folder, scored by retrieval_kit.evaluate on the export (the best step's weights)
+    records, _ = read_records(train, 2)
+    _, (ids, texts, queries, qrels), _ = hold_out_dev([TrainFile(records)], 40, 400, seed=42)
+    beir = tmp_path / "dev"
+    (beir / "qrels").mkdir(parents=True)
+    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": i, "text": t}) + "\n" for i, t in zip(ids, texts)))
+    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": q, "text": t}) + "\n" for q, t in queries.items()))
+    (beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
+        f"{q}\t{d}\t1\n" for q, rel in qrels.items() for d in rel))
+    res = python_run(["-m", "retrieval_kit.evaluate", "--model", out / "final", "--beir", beir, "--output",
+                      tmp_path / "eval.json"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    selected = json.loads((out / "final" / "retrieval_kit.json").read_text())["selected"]
+    got = json.loads((tmp_path / "eval.json").read_text())["biencoder"]["ndcg@10"]
+    assert abs(got - selected["value"]) < 1e-6, (got, selected)
