@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from retrieval_kit import ckpt, cli, data, dist, log, loop, lora, optim, plan, precision, records
+from retrieval_kit import ckpt, cli, data, dist, evaluate, log, loop, lora, optim, plan, precision, records
 from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, TEMPLATE_PRESETS, pair_layout, rerank_inputs
 from retrieval_kit.export import export_reranker, model_card, warn_kit_only
 from retrieval_kit.formats import exit_on_data_error
@@ -80,6 +80,18 @@ def warn_if_tokenization_changed(meta, settings):
         dist.print0(f"warning: tokenization differs from the checkpoint's (saved, now): {changed}")
 
 
+def validation(eval_model, val_records, dev, val_score, tokenizer, tok_settings, ctx, args):
+    """{log prefix: metrics} of one validation: the fixed groups (val/*) and the dev pipeline
+    (--dev-queries: dev/*, dev_fused/*, dev_best/*; evaluate.RerankDev)."""
+    out = {}
+    if val_records:
+        out["val"] = loop.validate_groups(eval_model, val_records, args.val_n_passages, args.val_batch_size, ctx,
+                                          val_score)
+    if dev:
+        out.update(dev.metrics(eval_model, tokenizer, tok_settings, args.val_batch_size, ctx.device))
+    return out
+
+
 def main():
     args = parse_args()
 
@@ -89,8 +101,9 @@ def main():
     dist.seed_all(args.seed, ctx.rank, torch_per_rank=False)  # the same fresh head on every rank
 
     # ----- data: read and validate everything before any model is loaded -----------------------
-    files, val_records, args.train_mixture, _ = records.read_train_val(  # [TrainFile]: each its records
-        cli.data_spec(args, cli.RERANKER_PROMPT_KEYS), ctx.world_size)  # the mixture: kept with the args
+    files, val_records, args.train_mixture, dev = records.read_train_val(  # [TrainFile]: each its records; dev:
+        cli.data_spec(args, cli.RERANKER_PROMPT_KEYS), ctx.world_size)  # --dev-queries; the mixture: in the args
+    dev = dev and evaluate.RerankDev(dev, args.dev_biencoder, args.val_batch_size, ctx.device, ctx.is_main)
 
     # ----- model in the storage dtype, how pairs become tokens; resume, part 1: weights -> cast ---
     storage_dtype, compute_dtype, autocast_dtype = cli.precision_dtypes(args)  # precision.resolve
@@ -127,10 +140,9 @@ def main():
     scheduler = optim.build_scheduler(optimizer, args.warmup_steps, args.max_steps, args.lr_schedule)
     state = loop.LoopState(loss_avg=WindowedAverage(args.loss_avg_window))
     tok_settings = tokenization_settings(args, tokenizer, template)
-    if resume_dir:
-        meta = ckpt.load_training_state(resume_dir, optimizer, scheduler, ctx.rank, wrapped=model)
-        state.load(meta)
-        warn_if_tokenization_changed(meta, tok_settings)
+    if resume_dir:  # (and a warning if the checkpoint's run tokenized pairs otherwise)
+        warn_if_tokenization_changed(state.load(ckpt.load_training_state(resume_dir, optimizer, scheduler, ctx.rank,
+                                                                         wrapped=model)), tok_settings)
     start_step = state.step
 
     # ----- batches, built ahead; the step, decided once -----------------------------------------
@@ -166,10 +178,10 @@ def main():
     model.train()  # from_pretrained returns eval mode (no dropout); validation switches back and forth
     while True:
         step, last_step = state.step, state.step >= args.max_steps
-        if val_records and not state.stopping and loop.eval_due(step, start_step, args.val_every, last_step):
-            metrics = loop.validate_groups(eval_model, val_records, args.val_n_passages, args.val_batch_size, ctx,
-                                           val_score)
-            logger.log_eval(step, metrics)
+        if not state.stopping and loop.eval_due(step, start_step, args.val_every, last_step):
+            for prefix, metrics in validation(eval_model, val_records, dev, val_score, tokenizer, tok_settings, ctx,
+                                              args).items():  # val/*; dev/*, dev_fused/*, dev_best/*
+                logger.log_eval(step, metrics, prefix)
         best_now = state.observe(args.select_best, logger.last, step)  # --select-best: checkpoint a new best
         if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping) or best_now:
             ckpt.save_checkpoint(args.output_dir, step, net, optimizer, scheduler,
@@ -193,9 +205,10 @@ def main():
     # ----- export --------------------------------------------------------------------------------
     final = os.path.join(args.output_dir, "final")
     selected = ckpt.load_best(net, args.output_dir, state.best, state.step)  # --select-best: that step's weights
+    fusion = dev and dev.choose(eval_model, tokenizer, tok_settings, args.val_batch_size, ctx.device)  # on them
     export_reranker(final, net, tokenizer, {"kind": "reranker", "pooling": args.pooling, "bidirectional": args.bidirectional,
                                             "loss": args.loss, "head": args.head, "lm_token_ids": lm_ids,
-                                            "selected": selected, **tok_settings}, args.trust_remote_code,
+                                            "selected": selected, "fusion": fusion, **tok_settings}, args.trust_remote_code,
                     card=model_card("reranker", model_dir, args.train_mixture, state.step, cli.loss_summary(args),
                                     logger.last))
     loop.end_run(logger, f"exported the reranker to {final}")

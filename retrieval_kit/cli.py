@@ -381,19 +381,30 @@ def add_run_args(parser, val_batch_size):
     return g
 
 
+def add_dev_args(g, reranker=False):
+    """--dev-queries and --dev-corpus-size (both scripts), --dev-biencoder (the reranker's)."""
+    flag(g, "--dev-queries", type=flags.nonneg_int, default=0,
+         help="hold N training records out of training (a seeded draw, the same on a resume) as a retrieval dev "
+              "set scored at every validation as dev/* (e.g. --select-best dev/ndcg@10)" +
+              ("; the reranker needs --dev-biencoder" if reranker else ", with --eval-beir's code") + " (default 0 = off)")
+    flag(g, "--dev-corpus-size", type=flags.nonneg_int, default=10000,
+         help="--dev-queries' corpus: the held-out groups' passages plus a seeded sample of other training "
+              "passages up to this many (0 = all; default 10000)")
+    if reranker:
+        flag(g, "--dev-biencoder", type=flags.model_path, default=None,
+             help="--dev-queries: a bi-encoder export that retrieves each dev query's top 20 once; each validation "
+                  "reranks them (dev/*: the reranker alone on the top 10; dev_fused/*: fused at weight 0.5; "
+                  "dev_best/*: the best of weights 0-1 x top 5/10/20), and the export records the best fusion, "
+                  "which retrieval_kit.evaluate then uses")
+
+
 def add_beir_eval_args(g):
     flag(g, "--eval-beir", default="", neutral=True,
          help="BEIR folder for full-corpus retrieval evaluation at each validation (e.g. data/eval; default off: "
               "encoding a corpus is slow on CPU)")
     flag(g, "--eval-k", type=flags.positive_int, default=100, neutral=True,
          help="docs retrieved per query in --eval-beir and --dev-queries (default 100)")
-    flag(g, "--dev-queries", type=flags.nonneg_int, default=0,
-         help="hold N training records out of training (a seeded draw, the same on a resume) as a retrieval dev "
-              "set, evaluated like --eval-beir at every validation as dev/* (e.g. --select-best dev/ndcg@10); "
-              "default 0 = off")
-    flag(g, "--dev-corpus-size", type=flags.nonneg_int, default=10000,
-         help="--dev-queries' corpus: the held-out groups' passages plus a seeded sample of other training "
-              "passages up to this many (0 = all; default 10000)")
+    add_dev_args(g)
 
 
 # ----- checkpoints -------------------------------------------------------------------------------
@@ -489,7 +500,7 @@ def reranker_parser(description=None):
     add_precision_args(p)
     add_lora_args(p, "; a fresh classifier head is trained in full")
     add_dist_args(p)
-    add_run_args(p, val_batch_size=16)
+    add_dev_args(add_run_args(p, val_batch_size=16), reranker=True)
     add_ckpt_args(p, output_dir="runs/reranker")
     return p
 
@@ -530,6 +541,9 @@ def parse(parser, argv=None):
     if args.warmup_steps > args.max_steps:
         print(f"warning: --warmup-steps {args.warmup_steps} > --max-steps {args.max_steps}: the LR never reaches "
               f"--lr {args.lr:g} (it stops at {args.lr * args.max_steps / max(1, args.warmup_steps):.3g})", flush=True)
+    if getattr(args, "rerank_max_length", None) and bool(args.dev_queries) != bool(args.dev_biencoder):
+        raise SystemExit("--dev-queries and --dev-biencoder go together: the reranker's dev set is retrieved by a "
+                         "bi-encoder export, then reranked")
     if not args.lora_rank:
         for name in ("lora_alpha", "export_adapter"):
             if getattr(args, name):

@@ -144,6 +144,69 @@ def rerank(run, model, tokenizer, settings, beir, top_k=10, batch_size=16, devic
     return {q: r for part in parts for q, r in part.items()}
 
 
+FUSION_WEIGHTS, FUSION_TOP_K = (0.0, 0.25, 0.5, 0.75, 1.0), (5, 10, 20)
+
+
+class RerankDev:
+    """The reranker's dev metric is the pipeline's (--dev-queries with --dev-biencoder): the bi-encoder
+    export retrieves each dev query's top max(FUSION_TOP_K) once; at each validation the reranker
+    scores them, and every (fusion weight, top k) of the grid is scored from those scores. Logged:
+    dev/* (the reranker alone on the top 10), dev_fused/* (weight 0.5, top 10, the evaluate defaults)
+    and dev_best/* (the grid's best on ndcg@10, with its weight and top_k). A weight of 0 is a
+    legitimate best: the reranker does not pay on this data."""
+
+    def __init__(self, dev, biencoder_dir, batch_size, device, progress=False):
+        tok = load_tokenizer(biencoder_dir)
+        enc = load_encoder(biencoder_dir).to(device).eval()
+        settings = biencoder_settings(biencoder_dir, {})
+        prepare_embedder(tok, enc, settings)
+        self.dev, self.k = dev, max(FUSION_TOP_K)
+        self.run = retrieve(enc, tok, settings, dev, self.k, batch_size, device, progress)
+        self.best = None
+
+    @torch.no_grad()
+    def metrics(self, model, tokenizer, settings, batch_size=16, device="cpu"):
+        """{log prefix: metrics} of the current reranker; keeps the grid's best as `best`."""
+        from .dist import rank as get_rank, world_size
+        from .export import rerank_layout
+
+        ids, texts, queries, qrels = self.dev
+        text_of, layout = dict(zip(ids, texts)), rerank_layout(tokenizer, settings)
+        was_training = model.training
+        model.eval()
+        mine = {}
+        for qid in shard(sorted(self.run), get_rank(), world_size()):
+            ranked = rank_docs(self.run[qid])[:self.k]
+            mine[qid] = (ranked, rerank_groups(model, tokenizer, [queries[qid]], [[text_of[d] for d in ranked]],
+                                               settings, batch_size, device, layout)[0].cpu())
+        model.train(was_training)
+        if world_size() > 1:
+            import torch.distributed as tdist
+
+            parts = [None] * world_size()
+            tdist.all_gather_object(parts, mine)
+            mine = {q: v for part in parts for q, v in part.items()}
+        grid = {}
+        for w in FUSION_WEIGHTS:
+            for k in FUSION_TOP_K:
+                run = {q: reorder(rank_docs(self.run[q]), fuse_scores(s[:k], torch.tensor(
+                    [self.run[q][d] for d in ranked[:k]]), w)) for q, (ranked, s) in mine.items()}
+                grid[w, k] = retrieval_metrics(run, qrels)
+        (w, k), best = max(grid.items(), key=lambda kv: (kv[1]["ndcg@10"], -kv[0][0]))  # ties: the lighter weight
+        self.best = {"weight": w, "top_k": k, "ndcg@10": best["ndcg@10"]}
+        return {"dev": grid[1.0, 10], "dev_fused": grid[0.5, 10], "dev_best": {**best, "weight": w, "top_k": k}}
+
+    def choose(self, model, tokenizer, settings, batch_size=16, device="cpu"):
+        """The grid's best (weight, top_k, ndcg@10) for the weights about to be exported; said in one line."""
+        self.metrics(model, tokenizer, settings, batch_size, device)
+        from .dist import print0
+
+        print0(f"dev: fusion weight {self.best['weight']:g}, top {self.best['top_k']} (ndcg@10 {self.best['ndcg@10']:.4f})"
+               " written into the export" + ("; weight 0: the reranker does not pay on this dev set"
+                                             if self.best["weight"] == 0 else ""))
+        return self.best
+
+
 def main(argv=None):
     ap = cli.KitParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="bi-encoder dir (default: the bundled all-MiniLM-L6-v2)")
@@ -157,10 +220,12 @@ def main(argv=None):
                          "256,128,64 (re-normalized when the model normalizes; default: the dims an export trained "
                          "with --matryoshka-dims lists, else none)")
     ap.add_argument("--reranker", default=None, help="exported reranker dir for a second stage (optional)")
-    ap.add_argument("--rerank-top-k", type=flags.positive_int, default=10, help="docs per query the reranker rescores (default 10)")
-    ap.add_argument("--rerank-weight", type=flags.fraction, default=0.5,
+    ap.add_argument("--rerank-top-k", type=flags.positive_int, default=None,
+                    help="docs per query the reranker rescores (default: the export's dev-chosen top k, else 10)")
+    ap.add_argument("--rerank-weight", type=flags.fraction, default=None,
                     help="order the top k by w * z(reranker) + (1 - w) * z(bi-encoder), each standardised over the "
-                         "query's top k; 1 = the reranker alone (default 0.5, measured: docs/pipeline.md)")
+                         "query's top k; 1 = the reranker alone, 0 = the bi-encoder's order (default: the export's "
+                         "dev-chosen weight, train_reranker.py --dev-biencoder, else 0.5: docs/pipeline.md)")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dirs")
     ap.add_argument("--output", default=None, help="write the metrics as JSON here")
     args = ap.parse_args(argv)
@@ -188,6 +253,13 @@ def main(argv=None):
     results.update({f"biencoder@dim{d}": retrieval_metrics(r, beir[3]) for d, r in runs.items()})
     if args.reranker:
         rr, rr_tok, rr_settings = load_exported_reranker(args.reranker, torch.float32, args.trust_remote_code)
+        fusion = rr_settings.get("fusion") or {}  # chosen on the training run's dev set (--dev-biencoder)
+        if args.rerank_weight is None and args.rerank_top_k is None and fusion and ctx.is_main:
+            print(f"{args.reranker}: fusion weight {fusion['weight']:g}, top {fusion['top_k']}, as chosen on its dev set "
+                  f"(ndcg@10 {fusion['ndcg@10']:.4f})" + ("; weight 0: the reranker did not pay there"
+                                                          if fusion["weight"] == 0 else ""))
+        args.rerank_weight = fusion.get("weight", 0.5) if args.rerank_weight is None else args.rerank_weight
+        args.rerank_top_k = fusion.get("top_k", 10) if args.rerank_top_k is None else args.rerank_top_k
         run2 = rerank(run, rr.to(ctx.device), rr_tok, rr_settings, beir, args.rerank_top_k, device=ctx.device,
                       progress=ctx.is_main, weight=args.rerank_weight)
         results[f"biencoder+reranker@{args.rerank_top_k}"] = retrieval_metrics(run2, beir[3])

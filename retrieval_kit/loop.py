@@ -124,6 +124,7 @@ class LoopState:
         self.loss_avg.load_state_dict(meta["loop"]["loss_avg"])
         self.skipped = meta["loop"].get("skipped_steps", 0)
         self.best = meta["loop"].get("best")
+        return meta
 
     def observe(self, metric, logged, step):
         """--select-best: is the validation just logged at `step` (`logged`: Logger.last, {split: {"step",

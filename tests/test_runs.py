@@ -375,16 +375,55 @@ def test_dev_queries_are_scored_at_each_validation_as_evaluate_scores_the_held_o
     assert sorted(r["step"] for r in rows if r["split"] == "dev") == [0, 2, 4]
     # the same held-out set as a BEIR folder, scored by retrieval_kit.evaluate on the export (the best step's weights)
     records, _ = read_records(train, 2)
-    _, (ids, texts, queries, qrels), _ = hold_out_dev([TrainFile(records)], 40, 400, seed=42)
-    beir = tmp_path / "dev"
-    (beir / "qrels").mkdir(parents=True)
-    (beir / "corpus.jsonl").write_text("".join(json.dumps({"_id": i, "text": t}) + "\n" for i, t in zip(ids, texts)))
-    (beir / "queries.jsonl").write_text("".join(json.dumps({"_id": q, "text": t}) + "\n" for q, t in queries.items()))
-    (beir / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
-        f"{q}\t{d}\t1\n" for q, rel in qrels.items() for d in rel))
+    beir = write_beir(tmp_path / "dev", hold_out_dev([TrainFile(records)], 40, 400, seed=42)[1])
     res = python_run(["-m", "retrieval_kit.evaluate", "--model", out / "final", "--beir", beir, "--output",
                       tmp_path / "eval.json"])
     assert res.returncode == 0, res.stderr[-3000:]
     selected = json.loads((out / "final" / "retrieval_kit.json").read_text())["selected"]
     got = json.loads((tmp_path / "eval.json").read_text())["biencoder"]["ndcg@10"]
     assert abs(got - selected["value"]) < 1e-6, (got, selected)
+
+
+def write_beir(folder, dev):
+    """A hold_out_dev set as a BEIR folder (corpus.jsonl, queries.jsonl, qrels/test.tsv)."""
+    ids, texts, queries, qrels = dev
+    (folder / "qrels").mkdir(parents=True)
+    (folder / "corpus.jsonl").write_text("".join(json.dumps({"_id": i, "text": t}) + "\n" for i, t in zip(ids, texts)))
+    (folder / "queries.jsonl").write_text("".join(json.dumps({"_id": q, "text": t}) + "\n" for q, t in queries.items()))
+    (folder / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\n" + "".join(
+        f"{q}\t{d}\t1\n" for q, rel in qrels.items() for d in rel))
+    return folder
+
+
+@pytest.mark.slow
+def test_the_rerankers_dev_metric_is_the_pipelines_and_its_best_fusion_reaches_evaluate(tiny_model_dir, tmp_path):
+    from retrieval_kit.data import TrainFile
+    from retrieval_kit.export import export_model
+    from retrieval_kit.models import load_encoder, load_tokenizer
+    from retrieval_kit.records import hold_out_dev, read_records
+
+    bi = export_model(str(tmp_path / "bi"), load_encoder(tiny_model_dir), load_tokenizer(tiny_model_dir),
+                      {"kind": "biencoder", "pooling": "avg", "normalize": True, "query_prefix": "",
+                       "passage_prefix": "", "query_max_length": 32, "passage_max_length": 32})
+    out, train = tmp_path / "rr", os.path.join(ROOT, "data", "train.jsonl")
+    done = run("train_reranker.py", ["--model", tiny_model_dir, "--train-file", train, "--val-file", "", "--batch-size",
+                                     "4", "--n-passages", "2", "--rerank-max-length", "64", "--max-steps", "4",
+                                     "--warmup-steps", "1", "--val-every", "2", "--dev-queries", "30",
+                                     "--dev-corpus-size", "300", "--dev-biencoder", bi, "--output-dir", out])
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(l) for l in open(out / "metrics.jsonl")]
+    for split in ("dev", "dev_fused", "dev_best"):
+        assert sorted(r["step"] for r in rows if r["split"] == split) == [0, 2, 4], split
+    fusion = json.loads((out / "final" / "retrieval_kit.json").read_text())["fusion"]
+    last = [r for r in rows if r["split"] == "dev_best"][-1]
+    assert fusion == {"weight": last["weight"], "top_k": last["top_k"], "ndcg@10": last["ndcg@10"]}
+    assert f"dev: fusion weight {fusion['weight']:g}, top {fusion['top_k']}" in done.stdout
+    # the same pipeline by retrieval_kit.evaluate on the dev set as a BEIR folder: the export's fusion, the same number
+    records, _ = read_records(train, 2)
+    beir = write_beir(tmp_path / "dev", hold_out_dev([TrainFile(records)], 30, 300, seed=42)[1])
+    res = python_run(["-m", "retrieval_kit.evaluate", "--model", bi, "--reranker", out / "final", "--beir", beir,
+                      "--k", "20", "--output", tmp_path / "eval.json"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"fusion weight {fusion['weight']:g}, top {fusion['top_k']}, as chosen on its dev set" in res.stdout
+    got = json.loads((tmp_path / "eval.json").read_text())[f"biencoder+reranker@{fusion['top_k']}"]["ndcg@10"]
+    assert abs(got - fusion["ndcg@10"]) < 1e-6, (got, fusion)
