@@ -256,7 +256,9 @@ class Subset:
             return [self.base[j] for j in self.keep[i]]
         return self.base[self.keep[i]]
 
-    def __getattr__(self, name):
+    def __getattr__(self, name):  # (not for dunders nor its own fields: unpickling in a DataLoader worker asks)
+        if name.startswith("__") or name in ("base", "keep"):
+            raise AttributeError(name)
         return getattr(self.base, name)
 
 

@@ -200,5 +200,9 @@ def test_dev_queries_are_held_out_of_training_by_a_seeded_draw(small_train_file)
     again = hold_out_dev([TrainFile(records)], 8, 100, seed=3)
     assert again[1][2] == queries and again[1][1] == texts  # a resume holds out the same
     assert hold_out_dev([TrainFile(records)], 8, 100, seed=4)[1][2] != queries
+    import pickle  # DataLoader workers get the kept records pickled
+
+    copy = pickle.loads(pickle.dumps(files[0].records))
+    assert [r.query for r in copy] == kept and copy.summary == records.summary
     with pytest.raises(SystemExit, match="--dev-queries 64: the training files hold 64 records"):
         hold_out_dev([TrainFile(records)], 64, 100, seed=3)
