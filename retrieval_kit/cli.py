@@ -538,7 +538,7 @@ def parse(parser, argv=None):
     if args.sharded_checkpoints and args.parallel != "fsdp2":
         raise SystemExit("--sharded-checkpoints: only with --parallel fsdp2 (under DDP every rank holds the whole "
                          "model and rank 0 writes it as one file)")
-    if args.warmup_steps > args.max_steps:
+    if args.warmup_steps > args.max_steps and os.environ.get("RANK", "0") == "0":  # said once under torchrun
         print(f"warning: --warmup-steps {args.warmup_steps} > --max-steps {args.max_steps}: the LR never reaches "
               f"--lr {args.lr:g} (it stops at {args.lr * args.max_steps / max(1, args.warmup_steps):.3g})", flush=True)
     if getattr(args, "rerank_max_length", None) and bool(args.dev_queries) != bool(args.dev_biencoder):
