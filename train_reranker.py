@@ -204,7 +204,7 @@ def main():
 
     # ----- export --------------------------------------------------------------------------------
     final = os.path.join(args.output_dir, "final")
-    selected = ckpt.load_best(net, args.output_dir, state.best, state.step)  # --select-best: that step's weights
+    selected = ckpt.load_best(net, args.output_dir, state.best, state.step, model)  # --select-best: its weights
     fusion = dev and dev.choose(eval_model, tokenizer, tok_settings, args.val_batch_size, ctx.device)  # on them
     export_reranker(final, net, tokenizer, {"kind": "reranker", "pooling": args.pooling, "bidirectional": args.bidirectional,
                                             "loss": args.loss, "head": args.head, "lm_token_ids": lm_ids,

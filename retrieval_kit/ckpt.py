@@ -534,6 +534,19 @@ def load_trained_weights(model, ckpt_dir):
     unwrap(model).load_state_dict(state, strict=False)
 
 
+def _load_into_shards(model, wrapped, path, meta):
+    """A checkpoint's weights into an FSDP2-sharded model: DCP shards as they are; a safetensors file
+    read by rank 0 and broadcast into every rank's shards (only what is trained, for LoRA)."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if meta.get("model_format") == "dcp":
+        return load_model_dcp(wrapped, path)
+    full = load_file(os.path.join(path, "model.safetensors")) if rank() == 0 else {}
+    set_model_state_dict(unwrap(model), full, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True, strict=meta.get("model_subset") != "trained"))
+
+
 def load_model_dcp(wrapped, ckpt_dir):
     """DCP model shards into the FSDP2-wrapped model, each rank reading what its shards need (for
     any rank count). The params keep their dtype (the storage dtype they were built in)."""
@@ -641,15 +654,18 @@ def prune(run_dir, keep_last, keep=None):
             shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
 
 
-def load_best(model, run_dir, best, step):
+def load_best(model, run_dir, best, step, wrapped=None):
     """--select-best, before the export: the best validated step's weights into `model` (the raw HF
-    model on every rank, DDP or one process) when it is not the last step; says which step the export
-    holds. Returns `best` (None without --select-best)."""
+    model; under FSDP2 its shards: `wrapped` is the FSDP2 module) when it is not the last step; says
+    which step the export holds. Returns `best` (None without --select-best)."""
     if best is None:
         return None
     if best["step"] != step:
         path = os.path.join(run_dir, f"step_{best['step']:06d}")
-        if load_meta(path).get("model_subset") == "trained":
+        meta = load_meta(path)
+        if _sharded(wrapped):
+            _load_into_shards(model, wrapped, path, meta)
+        elif meta.get("model_subset") == "trained":
             load_trained_weights(model, path)
         else:
             load_model_weights(model, path)

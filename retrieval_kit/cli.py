@@ -532,9 +532,6 @@ def parse(parser, argv=None):
     if getattr(args, "rerank_max_length", None) and args.n_passages < 2:
         raise SystemExit(f"--n-passages {args.n_passages}: a reranker learns by ranking a query's positive above its "
                          "negatives; give it 2 or more pairs per query")
-    if args.select_best and args.parallel == "fsdp2":
-        raise SystemExit("--select-best: not with --parallel fsdp2 yet (the best step's weights are loaded back "
-                         "into the model before the export, which the kit does for DDP and one process only)")
     if args.sharded_checkpoints and args.parallel != "fsdp2":
         raise SystemExit("--sharded-checkpoints: only with --parallel fsdp2 (under DDP every rank holds the whole "
                          "model and rank 0 writes it as one file)")

@@ -427,3 +427,24 @@ def test_the_rerankers_dev_metric_is_the_pipelines_and_its_best_fusion_reaches_e
     assert f"fusion weight {fusion['weight']:g}, top {fusion['top_k']}, as chosen on its dev set" in res.stdout
     got = json.loads((tmp_path / "eval.json").read_text())[f"biencoder+reranker@{fusion['top_k']}"]["ndcg@10"]
     assert abs(got - fusion["ndcg@10"]) < 1e-6, (got, fusion)
+
+
+@pytest.mark.slow
+def test_select_best_under_fsdp2_exports_the_best_steps_weights(tiny_model_dir, small_train_file, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.conftest import run_script
+
+    out = tmp_path / "run"
+    run_script("train_biencoder.py", ["--model", tiny_model_dir, "--train-file", small_train_file, "--val-file",
+                                      os.path.join(ROOT, "data", "val.jsonl"), "--val-max-groups", 32, "--batch-size", 4,
+                                      "--passage-max-length", 32, "--max-steps", 6, "--val-every", 2, "--ckpt-every", 100,
+                                      "--lr", 0.05, "--lr-schedule", "constant", "--warmup-steps", 0, "--select-best",
+                                      "val/loss", "--parallel", "fsdp2", "--output-dir", out], nproc=2)
+    best = json.loads((out / "final" / "retrieval_kit.json").read_text())["selected"]["step"]
+    final, at_best = load_file(out / "final" / "model.safetensors"), load_file(out / f"step_{best:06d}" / "model.safetensors")
+    assert all(torch.equal(final[k], at_best[k]) for k in at_best)
+    if best != 6:  # the last step's weights were trained on: the export is not them
+        last = load_file(out / "step_000006" / "model.safetensors")
+        assert any(not torch.equal(final[k], last[k]) for k in last)
