@@ -119,15 +119,15 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args
     (--sharded-checkpoints, FSDP2 only): every rank writes its own model shards with DCP
     (`model_dcp/`) instead of rank 0 gathering and writing one `model.safetensors`.
     """
-    try:
+    with flags.writing(f"the step {step} checkpoint in {run_dir}", then=lambda: after_failed_write(run_dir)):
         return _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args, wrapped, keep_last,
                                 sharded_model and _sharded(wrapped))
-    except Exception as e:  # noqa: BLE001 - only a failed write becomes a sentence
-        if flags.os_reason(e) is None:
-            raise
-        raise SystemExit(f"cannot write the step {step} checkpoint in {run_dir}: {flags.os_reason(e)}; the newest "
-                         f"intact checkpoint is {find_latest(run_dir) or 'none'}: free space, then continue "
-                         "with --resume auto") from None
+
+
+def after_failed_write(run_dir):
+    """What the sentence of a failed write in a run folder says next: the newest intact checkpoint."""
+    return (f"the newest intact checkpoint is {find_latest(run_dir) or 'none'}: free space, then continue with "
+            "--resume auto")
 
 
 def _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args, wrapped, keep_last, dcp_model):

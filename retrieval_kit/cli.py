@@ -136,8 +136,8 @@ def data_spec(args, prompt_keys=()):
                     prompt_keys=tuple(prompt_keys), corpus=args.corpus, fill_negatives=args.fill_negatives,
                     n_passages=args.n_passages, batch_size=args.batch_size, val_file=args.val_file,
                     val_n_passages=args.val_n_passages, val_max_groups=args.val_max_groups,
-                    need_scores=args.distill_weight > 0, dev_queries=getattr(args, "dev_queries", 0),
-                    dev_corpus_size=getattr(args, "dev_corpus_size", 0), seed=args.seed)
+                    need_scores=args.distill_weight > 0, dev_queries=args.dev_queries,
+                    dev_corpus_size=args.dev_corpus_size, seed=args.seed)
 
 
 # ----- model settings (bi-encoder) ---------------------------------------------------------------

@@ -186,11 +186,11 @@ class RerankDev:
             parts = [None] * world_size()
             tdist.all_gather_object(parts, mine)
             mine = {q: v for part in parts for q, v in part.items()}
+        bi = {q: torch.tensor([self.run[q][d] for d in ranked]) for q, (ranked, _) in mine.items()}
         grid = {}
         for w in FUSION_WEIGHTS:
             for k in FUSION_TOP_K:
-                run = {q: reorder(rank_docs(self.run[q]), fuse_scores(s[:k], torch.tensor(
-                    [self.run[q][d] for d in ranked[:k]]), w)) for q, (ranked, s) in mine.items()}
+                run = {q: reorder(ranked, fuse_scores(s[:k], bi[q][:k], w)) for q, (ranked, s) in mine.items()}
                 grid[w, k] = retrieval_metrics(run, qrels)
         (w, k), best = max(grid.items(), key=lambda kv: (kv[1]["ndcg@10"], -kv[0][0]))  # ties: the lighter weight
         self.best = {"weight": w, "top_k": k, "ndcg@10": best["ndcg@10"]}

@@ -114,14 +114,6 @@ def keep_until(path, step):
     os.replace(path + ".tmp", path)
 
 
-def after_failed_write(run_dir):
-    """What the sentence of a failed write in a run folder says next: the newest intact checkpoint."""
-    from .ckpt import find_latest
-
-    return (f"the newest intact checkpoint is {find_latest(run_dir) or 'none'}: free space, then continue with "
-            "--resume auto")
-
-
 class Logger:
     """Writes scalars to tensorboard and metrics.jsonl and shows a tqdm bar; a no-op off rank 0."""
 
@@ -134,6 +126,8 @@ class Logger:
         self.last = {}
         if not enabled:
             return
+        from .ckpt import after_failed_write
+
         self.failed = writing(f"the run's logs in {out_dir}", then=lambda: after_failed_write(out_dir))
         with self.failed:
             self._open(out_dir, header, total_steps, initial_step)
