@@ -132,7 +132,13 @@ class LoopState:
         kept as `best`, and its step must be checkpointed."""
         split, _, name = (metric or "").partition("/")
         row = logged.get(split) or {}
-        if not metric or row.get("step") != step or name not in row:
+        if not metric:
+            return False
+        evals = {s: r for s, r in logged.items() if s != "train" and r.get("step") == step}
+        if evals and (row.get("step") != step or name not in row):  # a validation ran, and never logs it
+            raise SystemExit(f"--select-best {metric}: no validation of this run logs it; it logs " + ", ".join(
+                f"{s}/{k}" for s, r in evals.items() for k in r if k != "step"))
+        if row.get("step") != step:
             return False
         value, lower = row[name], name.endswith("loss")
         better = self.best is None or (value < self.best["value"] if lower else value > self.best["value"])

@@ -109,3 +109,22 @@ def test_a_log_write_that_fails_is_one_sentence_naming_the_newest_checkpoint(tmp
         logger.log(2, {"loss": 0.5})
     logger.jsonl = open(tmp_path / "metrics.jsonl", "a")
     logger.close()
+
+
+def test_select_best_keeps_the_best_in_its_direction_and_refuses_a_metric_no_validation_logs():
+    from retrieval_kit.loop import LoopState
+
+    state, seen = LoopState(), []
+    for step, loss, acc in ((0, 1.0, 0.5), (2, 0.8, 0.4), (4, 0.9, 0.7)):
+        logged = {"train": {"step": step, "loss": 3.0}, "val": {"step": step, "loss": loss, "acc@1": acc}}
+        seen.append(state.observe("val/loss", logged, step))
+    assert seen == [True, True, False] and state.best == {"metric": "val/loss", "value": 0.8, "step": 2}
+    state = LoopState()
+    assert [state.observe("val/acc@1", {"val": {"step": s, "acc@1": a}}, s) for s, a in ((0, .5), (2, .4), (4, .7))] \
+        == [True, False, True]
+    assert not state.observe("val/acc@1", {"val": {"step": 4, "acc@1": .9}}, 5)  # no validation at step 5
+    with pytest.raises(SystemExit, match=r"--select-best val/ndcg@10: no validation of this run logs it; it logs "
+                                         r"val/loss, val/acc@1"):
+        LoopState().observe("val/ndcg@10", {"val": {"step": 0, "loss": 1.0, "acc@1": 0.5}}, 0)
+    with pytest.raises(SystemExit, match="--select-best dev/ndcg@10: no validation"):
+        LoopState().observe("dev/ndcg@10", {"val": {"step": 0, "loss": 1.0}}, 0)
