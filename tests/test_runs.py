@@ -377,7 +377,7 @@ def test_dev_queries_are_scored_at_each_validation_as_evaluate_scores_the_held_o
     records, _ = read_records(train, 2)
     beir = write_beir(tmp_path / "dev", hold_out_dev([TrainFile(records)], 40, 400, seed=42)[1])
     res = python_run(["-m", "retrieval_kit.evaluate", "--model", out / "final", "--beir", beir, "--output",
-                      tmp_path / "eval.json"])
+                      tmp_path / "eval.json", "--batch-size", 32])  # batched as validation was: the same sums
     assert res.returncode == 0, res.stderr[-3000:]
     selected = json.loads((out / "final" / "retrieval_kit.json").read_text())["selected"]
     got = json.loads((tmp_path / "eval.json").read_text())["biencoder"]["ndcg@10"]
@@ -422,7 +422,7 @@ def test_the_rerankers_dev_metric_is_the_pipelines_and_its_best_fusion_reaches_e
     records, _ = read_records(train, 2)
     beir = write_beir(tmp_path / "dev", hold_out_dev([TrainFile(records)], 30, 300, seed=42)[1])
     res = python_run(["-m", "retrieval_kit.evaluate", "--model", bi, "--reranker", out / "final", "--beir", beir,
-                      "--k", "20", "--output", tmp_path / "eval.json"])
+                      "--k", "20", "--output", tmp_path / "eval.json", "--batch-size", 16])  # as validation batched
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"fusion weight {fusion['weight']:g}, top {fusion['top_k']}, as chosen on its dev set" in res.stdout
     got = json.loads((tmp_path / "eval.json").read_text())[f"biencoder+reranker@{fusion['top_k']}"]["ndcg@10"]
