@@ -398,9 +398,10 @@ def release_lock(run_dir=None):
         f, stop = _held.pop(key)
         stop.set()
         try:
+            holder = _lock_holder(os.path.join(key, LOCK_FILE))  # read before the file is emptied
             f.seek(0)
             f.truncate()
-            json.dump({**_lock_holder(os.path.join(key, LOCK_FILE)), "released": True}, f)
+            json.dump({**holder, "released": True}, f)
             f.flush()
         except (OSError, ValueError):
             pass

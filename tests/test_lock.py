@@ -38,7 +38,8 @@ def test_a_second_process_is_refused_while_the_first_holds_the_folder(tmp_path):
         assert ckpt.acquire_lock(run_dir) is None  # this process already holds it
     finally:
         ckpt.release_lock(run_dir)
-    assert json.loads((tmp_path / "run" / ckpt.LOCK_FILE).read_text())["released"] is True
+    released = json.loads((tmp_path / "run" / ckpt.LOCK_FILE).read_text())
+    assert released["released"] is True and released["pid"] == os.getpid()  # who held it stays said
     assert other_process_tries(run_dir, tmp_path) == "ACQUIRED"  # its holder (the probe) has exited since
 
 
