@@ -263,18 +263,26 @@ class Subset:
 
 
 def hold_out_dev(files, n, corpus_size, seed):
-    """--dev-queries: draw `n` training records (seeded by `seed`: a resume holds out the same ones), take
-    them out of training (each file's records become a Subset), and return them as a BEIR-style dev set
+    """--dev-queries: draw `n` training records (seeded by `seed` and keyed by query text: a resume, and
+    another file with the same queries, hold out the same ones), take them out of training (each
+    file's records become a Subset), and return them as a BEIR-style dev set
     (ids, texts, queries, qrels) for evaluate.beir_metrics: their queries; as corpus their positives
     and every passage of their groups, plus a seeded sample of other training passages up to
     `corpus_size` (0: all); relevant = each query's positives. Returns (files, dev, summary)."""
+    import hashlib
+    import heapq
     import random
 
     total = sum(len(f.records) for f in files)
     if n >= total:
         raise SystemExit(f"--dev-queries {n}: the training files hold {total} records; hold out fewer")
     rng = random.Random(f"dev-{seed}")
-    chosen = sorted(rng.sample(range(total), n))
+    # keyed by the query's text, not its line: the same seed holds out the same queries in every file
+    # of a pipeline (the bi-encoder's data, the negatives mined from it, the reranker's), so a later
+    # stage's dev set is one the earlier stage never trained on
+    keys = [(hashlib.blake2b(f"{seed}\0{r.query}".encode(), digest_size=8).digest(), i)
+            for i, r in enumerate(r for f in files for r in f.records)]
+    chosen = sorted(i for _, i in heapq.nsmallest(n, keys))
     held, out, start = [], [], 0
     for f in files:
         mine = {i - start for i in chosen if start <= i < start + len(f.records)}

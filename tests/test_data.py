@@ -185,7 +185,7 @@ def test_a_bad_file_is_one_message_not_a_traceback(tmp_path, entry):
 
 def test_dev_queries_are_held_out_of_training_by_a_seeded_draw(small_train_file):
     from retrieval_kit.data import TrainFile
-    from retrieval_kit.records import hold_out_dev, read_records
+    from retrieval_kit.records import Subset, hold_out_dev, read_records
 
     records, _ = read_records(small_train_file, 2)
     files, (ids, texts, queries, qrels), said = hold_out_dev([TrainFile(records)], 8, 100, seed=3)
@@ -200,6 +200,9 @@ def test_dev_queries_are_held_out_of_training_by_a_seeded_draw(small_train_file)
     again = hold_out_dev([TrainFile(records)], 8, 100, seed=3)
     assert again[1][2] == queries and again[1][1] == texts  # a resume holds out the same
     assert hold_out_dev([TrainFile(records)], 8, 100, seed=4)[1][2] != queries
+    # keyed by query text: the same queries in another order (a mined file of the same data) hold out the same
+    shuffled = Subset(records, list(range(len(records) - 1, -1, -1)))
+    assert set(hold_out_dev([TrainFile(shuffled)], 8, 100, seed=3)[1][2].values()) == set(queries.values())
     import pickle  # DataLoader workers get the kept records pickled
 
     copy = pickle.loads(pickle.dumps(files[0].records))
