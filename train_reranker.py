@@ -88,7 +88,8 @@ def validation(eval_model, val_records, dev, val_score, tokenizer, tok_settings,
         out["val"] = loop.validate_groups(eval_model, val_records, args.val_n_passages, args.val_batch_size, ctx,
                                           val_score)
     if dev:
-        out.update(dev.metrics(eval_model, tokenizer, tok_settings, args.val_batch_size, ctx.device))
+        out.update(dev.metrics(eval_model, tokenizer, tok_settings, args.val_batch_size * args.val_n_passages,
+                               ctx.device))  # forwards as large as the groups'
     return out
 
 
@@ -205,7 +206,7 @@ def main():
     # ----- export --------------------------------------------------------------------------------
     final = os.path.join(args.output_dir, "final")
     selected = ckpt.load_best(net, args.output_dir, state.best, state.step, model)  # --select-best: its weights
-    fusion = dev and dev.choose(eval_model, tokenizer, tok_settings, args.val_batch_size, ctx.device)  # on them
+    fusion = dev and dev.choose(eval_model, tokenizer, tok_settings, ctx.device)  # on them
     export_reranker(final, net, tokenizer, {"kind": "reranker", "pooling": args.pooling, "bidirectional": args.bidirectional,
                                             "loss": args.loss, "head": args.head, "lm_token_ids": lm_ids,
                                             "selected": selected, "fusion": fusion, **tok_settings}, args.trust_remote_code,

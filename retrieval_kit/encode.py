@@ -41,11 +41,14 @@ def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
 
 
 @torch.no_grad()
-def rerank_groups(model, tokenizer, queries, groups, settings, batch_size=16, device="cpu", layout=None):
-    """Cross-encoder scores (Q, n) for each query against its own group of n passages.
+def score_pairs(model, tokenizer, queries, passages, settings, batch_size=32, device="cpu", layout=None,
+                progress=False, desc="score"):
+    """Cross-encoder scores of the pairs (queries[i], passages[i]): (N,) float32 on CPU, in input order.
 
     `model` is a CrossEncoder; `settings` holds the tokenization saved with the export or checkpoint
-    (export.rerank_layout reads it), so scoring tokenizes as training did.
+    (export.rerank_layout reads it), so scoring tokenizes as training did. The pairs go through in
+    forwards of `batch_size` pairs sorted by length (characters), each padded only to its own longest,
+    as encode_texts does with texts.
     """
     from .collate import collate_rerank
     from .export import rerank_layout
@@ -53,15 +56,26 @@ def rerank_groups(model, tokenizer, queries, groups, settings, batch_size=16, de
     layout = layout or rerank_layout(tokenizer, settings)
     was_training = model.training
     model.eval()
-    n = len(groups[0])
-    out = []
-    for s in range(0, len(queries), batch_size):
-        batch = collate_rerank(tokenizer, queries[s:s + batch_size], groups[s:s + batch_size],
+    order = sorted(range(len(queries)), key=lambda i: -(len(queries[i]) + len(passages[i])))
+    out = torch.empty(len(queries))
+    for s in tqdm(range(0, len(order), batch_size), desc=desc, disable=not progress):
+        idx = order[s:s + batch_size]
+        batch = collate_rerank(tokenizer, [queries[i] for i in idx], [[passages[i]] for i in idx],
                                max_length=settings["rerank_max_length"],
                                pad_to_multiple_of=settings.get("pad_to_multiple_of"), layout=layout)
-        out.append(model(pairs=batch.to(device))["pairs"].float().view(-1, n).cpu())
+        out[idx] = model(pairs=batch.to(device))["pairs"].float().cpu()
     model.train(was_training)
-    return torch.cat(out)
+    return out
+
+
+def rerank_groups(model, tokenizer, queries, groups, settings, batch_size=16, device="cpu", layout=None):
+    """Cross-encoder scores (Q, n) for each query against its own group of n passages (score_pairs,
+    `batch_size` queries' pairs per forward)."""
+    n = len(groups[0])
+    flat_queries = [q for q, g in zip(queries, groups) for _ in g]
+    scores = score_pairs(model, tokenizer, flat_queries, [p for g in groups for p in g], settings, batch_size * n,
+                         device, layout)
+    return scores.view(-1, n)
 
 
 def encode_shard(model, tokenizer, texts, max_length, prefix="", batch_size=64, pooling="avg", normalize=True,

@@ -22,7 +22,7 @@ import torch
 from . import cli, dist, flags
 from .data import shard
 from .formats import read_corpus, read_qrels, read_queries
-from .encode import encode_shard, encode_sharded, rerank_groups
+from .encode import encode_shard, encode_sharded, score_pairs
 from .export import load_exported_reranker
 from .metrics import rank_docs, retrieval_metrics
 from .models import decoder_dir, default_model_dir, embedding_size, load_encoder, load_tokenizer, prepare_embedder
@@ -115,33 +115,53 @@ def reorder(ranked, head_scores):
     return {d: float(len(order) - i) for i, d in enumerate(order)}
 
 
-def rerank(run, model, tokenizer, settings, beir, top_k=10, batch_size=16, device="cpu", progress=False, weight=0.5):
-    """Second stage: rescore each query's top_k with a cross-encoder (fused with the bi-encoder's
-    scores when weight < 1, fuse_scores); the rest keep their order below. Queries are split over
-    ranks and the runs gathered."""
-    from tqdm import tqdm
+def score_heads(model, tokenizer, settings, heads, queries, text_of, batch_size=32, device="cpu", progress=False):
+    """Cross-encoder scores of each of this rank's queries against its own head of doc ids: {qid: (k,)
+    scores}, all pairs scored together (encode.score_pairs: length-sorted forwards of `batch_size`
+    pairs). Every rank runs the same number of forwards, as FSDP2's collective ones need: a short
+    list repeats its last pair, dropped after."""
+    from .dist import world_size
 
-    from .dist import rank as get_rank, world_size
-    from .export import rerank_layout
+    qs = [queries[q] for q, head in heads.items() for _ in head]
+    ps = [text_of[d] for head in heads.values() for d in head]
+    n = len(qs)
+    if world_size() > 1:
+        import torch.distributed as tdist
 
-    ids, texts, queries, _ = beir
-    text_of = dict(zip(ids, texts))
-    world, rank = world_size(), get_rank()
-    layout = rerank_layout(tokenizer, settings)
-    mine = {}
-    for qid in tqdm(shard(sorted(run), rank, world), desc="rerank", unit="query", disable=not progress):
-        ranked = rank_docs(run[qid])
-        head = ranked[:top_k]
-        s = rerank_groups(model, tokenizer, [queries[qid]], [[text_of[d] for d in head]], settings, batch_size, device,
-                         layout)[0]
-        mine[qid] = reorder(ranked, fuse_scores(s, torch.tensor([run[qid][d] for d in head]), weight))
-    if world == 1:
+        most = torch.tensor([n], device=device)
+        tdist.all_reduce(most, op=tdist.ReduceOp.MAX)
+        extra = int(most) - n
+        qs, ps = qs + [qs[-1] if n else ""] * extra, ps + [ps[-1] if n else ""] * extra
+    scores = score_pairs(model, tokenizer, qs, ps, settings, batch_size, device, progress=progress,
+                         desc="rerank")[:n].split([len(h) for h in heads.values()])
+    return dict(zip(heads, scores))
+
+
+def gather_runs(mine):
+    """{qid: ...} of this rank's queries -> every rank's, on every rank."""
+    from .dist import world_size
+
+    if world_size() == 1:
         return mine
     import torch.distributed as tdist
 
-    parts = [None] * world
+    parts = [None] * world_size()
     tdist.all_gather_object(parts, mine)
     return {q: r for part in parts for q, r in part.items()}
+
+
+def rerank(run, model, tokenizer, settings, beir, top_k=10, batch_size=32, device="cpu", progress=False, weight=0.5):
+    """Second stage: rescore each query's top_k with a cross-encoder (fused with the bi-encoder's
+    scores when weight < 1, fuse_scores); the rest keep their order below. Queries are split over
+    ranks (`batch_size` pairs per forward) and the runs gathered."""
+    from .dist import rank as get_rank, world_size
+
+    ids, texts, queries, _ = beir
+    ranked = {qid: rank_docs(run[qid]) for qid in shard(sorted(run), get_rank(), world_size())}
+    scores = score_heads(model, tokenizer, settings, {q: r[:top_k] for q, r in ranked.items()}, queries,
+                         dict(zip(ids, texts)), batch_size, device, progress)
+    return gather_runs({q: reorder(r, fuse_scores(scores[q], torch.tensor([run[q][d] for d in r[:top_k]]), weight))
+                        for q, r in ranked.items()})
 
 
 FUSION_WEIGHTS, FUSION_TOP_K = (0.0, 0.25, 0.5, 0.75, 1.0), (5, 10, 20)
@@ -162,30 +182,20 @@ class RerankDev:
         prepare_embedder(tok, enc, settings)
         self.dev, self.k = dev, max(FUSION_TOP_K)
         self.run = retrieve(enc, tok, settings, dev, self.k, batch_size, device, progress)
-        self.best = None
+        self.best, self.batch_size = None, 32  # pairs per forward: the last metrics call's
 
     @torch.no_grad()
-    def metrics(self, model, tokenizer, settings, batch_size=16, device="cpu"):
-        """{log prefix: metrics} of the current reranker; keeps the grid's best as `best`."""
+    def metrics(self, model, tokenizer, settings, batch_size=32, device="cpu"):
+        """{log prefix: metrics} of the current reranker (`batch_size` pairs per forward); keeps the
+        grid's best as `best`."""
         from .dist import rank as get_rank, world_size
-        from .export import rerank_layout
+
+        self.batch_size = batch_size
 
         ids, texts, queries, qrels = self.dev
-        text_of, layout = dict(zip(ids, texts)), rerank_layout(tokenizer, settings)
-        was_training = model.training
-        model.eval()
-        mine = {}
-        for qid in shard(sorted(self.run), get_rank(), world_size()):
-            ranked = rank_docs(self.run[qid])[:self.k]
-            mine[qid] = (ranked, rerank_groups(model, tokenizer, [queries[qid]], [[text_of[d] for d in ranked]],
-                                               settings, batch_size, device, layout)[0].cpu())
-        model.train(was_training)
-        if world_size() > 1:
-            import torch.distributed as tdist
-
-            parts = [None] * world_size()
-            tdist.all_gather_object(parts, mine)
-            mine = {q: v for part in parts for q, v in part.items()}
+        heads = {q: rank_docs(self.run[q])[:self.k] for q in shard(sorted(self.run), get_rank(), world_size())}
+        scores = score_heads(model, tokenizer, settings, heads, queries, dict(zip(ids, texts)), batch_size, device)
+        mine = gather_runs({q: (head, scores[q]) for q, head in heads.items()})
         bi = {q: torch.tensor([self.run[q][d] for d in ranked]) for q, (ranked, _) in mine.items()}
         grid = {}
         for w in FUSION_WEIGHTS:
@@ -196,9 +206,9 @@ class RerankDev:
         self.best = {"weight": w, "top_k": k, "ndcg@10": best["ndcg@10"]}
         return {"dev": grid[1.0, 10], "dev_fused": grid[0.5, 10], "dev_best": {**best, "weight": w, "top_k": k}}
 
-    def choose(self, model, tokenizer, settings, batch_size=16, device="cpu"):
+    def choose(self, model, tokenizer, settings, device="cpu"):
         """The grid's best (weight, top_k, ndcg@10) for the weights about to be exported; said in one line."""
-        self.metrics(model, tokenizer, settings, batch_size, device)
+        self.metrics(model, tokenizer, settings, self.batch_size, device)
         from .dist import print0
 
         print0(f"dev: fusion weight {self.best['weight']:g}, top {self.best['top_k']} (ndcg@10 {self.best['ndcg@10']:.4f})"

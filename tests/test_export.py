@@ -92,3 +92,19 @@ def test_kit_only_pooling_is_recorded(tiny_model_dir, tmp_path):
     kit = rerank_groups(model, tok, queries, groups, saved)
     s_hf, _ = stock_scores(out, queries, groups)
     assert (kit - s_hf).abs().max() > 1e-3  # really scored differently: the flag is needed
+
+
+@pytest.mark.parametrize("kind", ["encoder", "decoder"])
+def test_pairs_scored_in_length_sorted_batches_equal_each_pair_scored_alone(tiny_model_dir, tiny_decoder_dir,
+                                                                            tmp_path, kind):
+    from retrieval_kit.encode import score_pairs
+
+    out, _ = export_fresh(tiny_model_dir if kind == "encoder" else tiny_decoder_dir, tmp_path, DEFAULT_TEMPLATE)
+    model, tok, saved = load_exported_reranker(out)
+    queries, groups = val_groups()
+    qs = [q for q, g in zip(queries, groups) for _ in g]
+    ps = [p for g in groups for p in g]
+    together = score_pairs(model, tok, qs, ps, saved, batch_size=5)  # batches of 5 mixed pairs, in length order
+    alone = torch.tensor([score_pairs(model, tok, [q], [p], saved, batch_size=1)[0].item() for q, p in zip(qs, ps)])
+    assert together.std() > 0.1 and (together - alone).abs().max() < 1e-5  # no padding in `alone`; back in order
+    assert (rerank_groups(model, tok, queries, groups, saved, batch_size=2).flatten() - alone).abs().max() < 1e-5
