@@ -1,0 +1,167 @@
+"""The kit's reranker step against sentence-transformers' CrossEncoderTrainer, in the same run.
+
+    python bench/bench_peer_reranker.py                                   # 8 queries x (1 + 3), pairs up to 512 tokens
+    python bench/bench_peer_reranker.py --batch-size 4 --n-passages 4     # train_reranker.py's defaults
+
+Both sides train a one-logit cross-encoder from all-MiniLM-L6-v2 (a fresh head) on the same groups of
+data/train.jsonl, in the same order: each query with its positive and n-1 hard negatives, the listwise
+softmax cross-entropy over its group, grad-norm clipping at 1, fused AdamW (lr 2e-5, weight decay 0.01),
+dropout on.
+  kit: train_reranker.py's step - collate.rerank_inputs (pairs sorted by length into chunks of at most
+       --chunk-tokens padded tokens, default 1024, each padded to a multiple of 8), loop.plain_step with
+       losses.reranker_loss (listwise), loop.finish_step; batches collated in the training process.
+  sentence-transformers: CrossEncoderTrainer with ListNetLoss on (query, docs, labels) rows, labels
+       [100, 0, ...] so that its target softmax is one-hot (the same loss as the kit's listwise), batches
+       taken in order, its own collator and its default mini-batch (as many pairs per forward as
+       there are queries in the batch), max_length = --max-length.
+Step time, peak RSS and useful FLOP/s are measured as in bench_peer.py (the blocks alternate kit, st,
+kit, st; medians over both; peak RSS in a fresh process per side).
+"""
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.bench_peer import matmul_peak, sequential_batches, useful_flops  # noqa: E402
+from bench.bench_train_step import batches, current_rss_mb, peak_rss_mb, reset_peak_rss  # noqa: E402
+from retrieval_kit import dist, loop, optim  # noqa: E402
+from retrieval_kit.collate import pair_layout, rerank_inputs  # noqa: E402
+from retrieval_kit.losses import RERANK_LOSSES, reranker_loss  # noqa: E402
+from retrieval_kit.models import CrossEncoder, default_model_dir, load_reranker  # noqa: E402
+
+
+def make_kit(model_dir, args, ctx):
+    """train_reranker.py's step with its default flags: step(inputs) on one collated micro-batch."""
+    net = load_reranker(model_dir).train()
+    model, _ = dist.wrap(CrossEncoder(net), net, ctx)
+    opt = optim.build_optimizer(optim.param_groups(net, 0.01), 2e-5)
+    sched = optim.build_scheduler(opt, 0, 1000)
+    state = loop.LoopState()
+    loss_fn = functools.partial(reranker_loss, n_passages=args.n_passages, loss=RERANK_LOSSES["listwise"])
+
+    def step(inputs):
+        sums = loop.StepSums(ctx.device)
+        sums.add(inputs, *loop.plain_step(model, inputs, loss_fn, 1, True))
+        loop.finish_step(model, opt, sched, state, sums, False, 1.0, 5)
+    return step
+
+
+def st_run(model_dir, args, work, n_steps):
+    """Train sentence-transformers' CrossEncoder for n_steps on `work`; returns the step times."""
+    from datasets import Dataset
+    from sentence_transformers.cross_encoder import CrossEncoder as STCrossEncoder, CrossEncoderTrainer
+    from sentence_transformers.cross_encoder.losses import ListNetLoss
+    from sentence_transformers.cross_encoder.training_args import CrossEncoderTrainingArguments
+    from transformers import TrainerCallback
+
+    rows = {"query": [], "docs": [], "labels": []}
+    for queries, groups in work[:n_steps]:
+        for q, group in zip(queries, groups):
+            rows["query"].append(q)
+            rows["docs"].append(list(group))
+            rows["labels"].append([100.0] + [0.0] * (len(group) - 1))
+    model = STCrossEncoder(model_dir, num_labels=1, max_length=args.max_length, device="cpu")
+    ends = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            ends.append(time.perf_counter())
+
+        def on_step_end(self, *a, **k):
+            ends.append(time.perf_counter())
+
+    with tempfile.TemporaryDirectory() as out:
+        targs = CrossEncoderTrainingArguments(
+            output_dir=out, per_device_train_batch_size=args.batch_size, max_steps=n_steps, learning_rate=2e-5,
+            weight_decay=0.01, optim="adamw_torch_fused", lr_scheduler_type="constant", warmup_steps=0,
+            max_grad_norm=1.0, logging_steps=10 ** 9, save_strategy="no", report_to="none", disable_tqdm=True,
+            dataloader_drop_last=True, batch_sampler=sequential_batches, seed=0, use_cpu=True)
+        trainer = CrossEncoderTrainer(model=model, args=targs, train_dataset=Dataset.from_dict(rows),
+                                      loss=ListNetLoss(model), callbacks=[Clock()])
+        trainer.train()
+    return [b - a for a, b in zip(ends, ends[1:])]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF model dir (default: bundled MiniLM)")
+    ap.add_argument("--train-file", default=os.path.join(ROOT, "data", "train.jsonl"))
+    ap.add_argument("--batch-size", type=int, default=8, help="queries per step")
+    ap.add_argument("--n-passages", type=int, default=4, help="pairs per query: 1 positive + n-1 negatives")
+    ap.add_argument("--max-length", type=int, default=512, help="tokens per pair (the kit's --rerank-max-length)")
+    ap.add_argument("--chunk-tokens", type=int, default=1024, help="the kit's --chunk-tokens")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per block (two blocks per side)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each block")
+    ap.add_argument("--only", choices=("kit", "st"), help="(internal) run one side and print its peak RSS")
+    args = ap.parse_args()
+    from transformers import AutoConfig, AutoTokenizer
+
+    model_dir = args.model or default_model_dir()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ctx = dist.init()
+    torch.manual_seed(0)
+    work = batches(args)
+    collate = functools.partial(rerank_inputs, tokenizer=tok, layout=pair_layout(tok), max_length=args.max_length,
+                                pad_to_multiple_of=8, chunk_tokens=args.chunk_tokens)
+
+    def kit_block(n):
+        step, times, tokens = make_kit(model_dir, args, ctx), [], []
+        for queries, groups in work[:n]:
+            t0 = time.perf_counter()
+            inputs = collate(queries, groups)
+            step(inputs)
+            times.append(time.perf_counter() - t0)
+            tokens.append([int(x) for x in inputs["pairs"].batch["attention_mask"].sum(1)])
+        return times, tokens
+
+    if args.only:
+        n = args.warmup + 2
+        reset_peak_rss()
+        base = current_rss_mb()
+        kit_block(n) if args.only == "kit" else st_run(model_dir, args, work, n)
+        print(json.dumps({"peak_rss_mb": peak_rss_mb(), "step_mb": peak_rss_mb() - base}))
+        return
+
+    total = args.warmup + args.steps
+    kit_times, st_times, lengths = [], [], []
+    for _ in range(2):
+        t, toks = kit_block(total)
+        kit_times += t[args.warmup:]
+        lengths += toks[args.warmup:]
+        st_times += st_run(model_dir, args, work, total)[args.warmup:]
+    mem = {}
+    for side in ("kit", "st"):
+        out = subprocess.run([sys.executable, __file__, "--only", side] + sys.argv[1:], capture_output=True, text=True,
+                             check=True)
+        mem[side] = json.loads(out.stdout.strip().splitlines()[-1])
+    config = AutoConfig.from_pretrained(model_dir)
+    kit_s, st_s = statistics.median(kit_times), statistics.median(st_times)
+    flops = statistics.median(useful_flops(config, toks) for toks in lengths)
+    peak = matmul_peak(config)
+    mean_len = statistics.mean(x for toks in lengths for x in toks)
+    print(f"model {model_dir} (fresh one-logit head)\n{args.batch_size} queries x {args.n_passages} pairs, max length "
+          f"{args.max_length} (mean pair {mean_len:.0f} tokens), {args.train_file}, {2 * args.steps} timed steps per "
+          f"side, threads {torch.get_num_threads()}, kit --chunk-tokens {args.chunk_tokens}")
+    print(f"{'':22} {'median step s':>14} {'peak RSS MB':>12} {'step MB':>8} {'useful GFLOP/s':>15}")
+    for name, side, s in (("sentence-transformers", "st", st_s), ("kit", "kit", kit_s)):
+        print(f"{name:22} {s:14.3f} {mem[side]['peak_rss_mb']:12.0f} {mem[side]['step_mb']:8.0f} "
+              f"{flops / s / 1e9:15.1f}")
+    print(f"kit / sentence-transformers: {kit_s / st_s:.3f} (step time), "
+          f"{mem['kit']['peak_rss_mb'] / mem['st']['peak_rss_mb']:.3f} (peak RSS); fp32 matmul peak at the model's "
+          f"shapes {peak:.1f} GFLOP/s: kit {100 * flops / kit_s / 1e9 / peak:.0f}%, sentence-transformers "
+          f"{100 * flops / st_s / 1e9 / peak:.0f}%")
+    dist.cleanup()
+
+
+if __name__ == "__main__":
+    main()
