@@ -77,11 +77,9 @@ def sequential_batches(dataset, batch_size, drop_last, **_):
 
 def st_run(model_dir, args, work, n_steps):
     """Train sentence-transformers for n_steps on `work`; returns the step times (end to end)."""
-    from datasets import Dataset
     from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
     from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
-    from transformers import TrainerCallback
 
     rows = {"anchor": [], "positive": [], "negative": []}
     for queries, groups in work[:n_steps]:
@@ -91,6 +89,16 @@ def st_run(model_dir, args, work, n_steps):
             rows["negative"].append(neg)
     model = SentenceTransformer(model_dir, device="cpu")
     model.max_seq_length = args.passage_max_length
+    return st_train(SentenceTransformerTrainer, SentenceTransformerTrainingArguments, model, rows,
+                    MultipleNegativesRankingLoss(model, scale=20.0), args.batch_size, n_steps, 1e-5)
+
+
+def st_train(trainer_cls, args_cls, model, rows, loss, batch_size, n_steps, lr):
+    """Train with a sentence-transformers trainer (fused AdamW, constant lr, weight decay 0.01, clipping
+    at 1, batches in dataset order, no logging or saving); returns the step times, end to end."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
     ends = []
 
     class Clock(TrainerCallback):
@@ -101,15 +109,52 @@ def st_run(model_dir, args, work, n_steps):
             ends.append(time.perf_counter())
 
     with tempfile.TemporaryDirectory() as out:
-        targs = SentenceTransformerTrainingArguments(
-            output_dir=out, per_device_train_batch_size=args.batch_size, max_steps=n_steps, learning_rate=1e-5,
+        targs = args_cls(
+            output_dir=out, per_device_train_batch_size=batch_size, max_steps=n_steps, learning_rate=lr,
             weight_decay=0.01, optim="adamw_torch_fused", lr_scheduler_type="constant", warmup_steps=0,
             max_grad_norm=1.0, logging_steps=10 ** 9, save_strategy="no", report_to="none", disable_tqdm=True,
             dataloader_drop_last=True, batch_sampler=sequential_batches, seed=0, use_cpu=True)
-        trainer = SentenceTransformerTrainer(model=model, args=targs, train_dataset=Dataset.from_dict(rows),
-                                             loss=MultipleNegativesRankingLoss(model, scale=20.0), callbacks=[Clock()])
-        trainer.train()
+        trainer_cls(model=model, args=targs, train_dataset=Dataset.from_dict(rows), loss=loss,
+                    callbacks=[Clock()]).train()
     return [b - a for a, b in zip(ends, ends[1:])]
+
+
+def compare(args, kit_block, st_block, config, header):
+    """The comparison of both benches: with --only, one side's peak RSS over a few steps (printed as
+    JSON); else the blocks kit, st, kit, st (medians over both after --warmup steps each), each side's
+    peak RSS from a fresh process, and the table: step time, memory, useful FLOP/s and their ratios.
+    kit_block(n) -> (step times, real token lengths per step); st_block(n) -> step times."""
+    if args.only:
+        n = args.warmup + 2
+        reset_peak_rss()
+        base = current_rss_mb()
+        kit_block(n) if args.only == "kit" else st_block(n)
+        print(json.dumps({"peak_rss_mb": peak_rss_mb(), "step_mb": peak_rss_mb() - base}))
+        return
+    total = args.warmup + args.steps
+    kit_times, st_times, lengths = [], [], []
+    for _ in range(2):
+        t, toks = kit_block(total)
+        kit_times += t[args.warmup:]
+        lengths += toks[args.warmup:]
+        st_times += st_block(total)[args.warmup:]
+    mem = {}
+    for side in ("kit", "st"):
+        out = subprocess.run([sys.executable, sys.argv[0], "--only", side] + sys.argv[1:], capture_output=True,
+                             text=True, check=True)
+        mem[side] = json.loads(out.stdout.strip().splitlines()[-1])
+    kit_s, st_s = statistics.median(kit_times), statistics.median(st_times)
+    flops = statistics.median(useful_flops(config, toks) for toks in lengths)
+    peak = matmul_peak(config)
+    print(header)
+    print(f"{'':22} {'median step s':>14} {'peak RSS MB':>12} {'step MB':>8} {'useful GFLOP/s':>15}")
+    for name, side, s in (("sentence-transformers", "st", st_s), ("kit", "kit", kit_s)):
+        print(f"{name:22} {s:14.3f} {mem[side]['peak_rss_mb']:12.0f} {mem[side]['step_mb']:8.0f} "
+              f"{flops / s / 1e9:15.1f}")
+    print(f"kit / sentence-transformers: {kit_s / st_s:.3f} (step time), "
+          f"{mem['kit']['peak_rss_mb'] / mem['st']['peak_rss_mb']:.3f} (peak RSS); fp32 matmul peak at the model's "
+          f"shapes {peak:.1f} GFLOP/s: kit {100 * flops / kit_s / 1e9 / peak:.0f}%, sentence-transformers "
+          f"{100 * flops / st_s / 1e9 / peak:.0f}%")
 
 
 def main():
@@ -131,7 +176,6 @@ def main():
     tok = AutoTokenizer.from_pretrained(model_dir)
     ctx = dist.init()
     torch.manual_seed(0)
-    args.steps_total = args.warmup + args.steps
     work = batches(args)
     collate = kit_collate(tok, args)
 
@@ -145,40 +189,10 @@ def main():
             tokens.append([int(x) for k in ("q", "p") for x in inputs[k].batch["attention_mask"].sum(1)])
         return times, tokens
 
-    if args.only:
-        n = args.warmup + 2
-        reset_peak_rss()
-        base = current_rss_mb()
-        kit_block(n) if args.only == "kit" else st_run(model_dir, args, work, n)
-        print(json.dumps({"peak_rss_mb": peak_rss_mb(), "step_mb": peak_rss_mb() - base}))
-        return
-
-    kit_times, st_times, lengths = [], [], []
-    for _ in range(2):
-        t, toks = kit_block(args.steps_total)
-        kit_times += t[args.warmup:]
-        lengths += toks[args.warmup:]
-        st_times += st_run(model_dir, args, work, args.steps_total)[args.warmup:]
-    mem = {}
-    for side in ("kit", "st"):
-        out = subprocess.run([sys.executable, __file__, "--only", side] + sys.argv[1:], capture_output=True, text=True,
-                             check=True)
-        mem[side] = json.loads(out.stdout.strip().splitlines()[-1])
-    config = AutoConfig.from_pretrained(model_dir)
-    kit_s, st_s = statistics.median(kit_times), statistics.median(st_times)
-    flops = statistics.median(useful_flops(config, toks) for toks in lengths)
-    peak = matmul_peak(config)
-    print(f"model {model_dir}\n{args.batch_size} queries x (1 positive + 1 hard negative), max lengths "
-          f"{args.query_max_length}/{args.passage_max_length}, {args.train_file}, {2 * args.steps} timed steps per side, "
-          f"threads {torch.get_num_threads()}, kit --chunk-tokens {args.chunk_tokens}")
-    print(f"{'':22} {'median step s':>14} {'peak RSS MB':>12} {'step MB':>8} {'useful GFLOP/s':>15}")
-    for name, side, s in (("sentence-transformers", "st", st_s), ("kit", "kit", kit_s)):
-        print(f"{name:22} {s:14.3f} {mem[side]['peak_rss_mb']:12.0f} {mem[side]['step_mb']:8.0f} "
-              f"{flops / s / 1e9:15.1f}")
-    print(f"kit / sentence-transformers: {kit_s / st_s:.3f} (step time), "
-          f"{mem['kit']['peak_rss_mb'] / mem['st']['peak_rss_mb']:.3f} (peak RSS); fp32 matmul peak at the model's "
-          f"shapes {peak:.1f} GFLOP/s: kit {100 * flops / kit_s / 1e9 / peak:.0f}%, sentence-transformers "
-          f"{100 * flops / st_s / 1e9 / peak:.0f}%")
+    compare(args, kit_block, lambda n: st_run(model_dir, args, work, n), AutoConfig.from_pretrained(model_dir),
+            f"model {model_dir}\n{args.batch_size} queries x (1 positive + 1 hard negative), max lengths "
+            f"{args.query_max_length}/{args.passage_max_length}, {args.train_file}, {2 * args.steps} timed steps per "
+            f"side, threads {torch.get_num_threads()}, kit --chunk-tokens {args.chunk_tokens}")
     dist.cleanup()
 
 

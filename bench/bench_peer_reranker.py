@@ -20,20 +20,16 @@ kit, st; medians over both; peak RSS in a fresh process per side).
 
 import argparse
 import functools
-import json
 import os
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.bench_peer import matmul_peak, sequential_batches, useful_flops  # noqa: E402
-from bench.bench_train_step import batches, current_rss_mb, peak_rss_mb, reset_peak_rss  # noqa: E402
+from bench.bench_peer import compare, st_train  # noqa: E402
+from bench.bench_train_step import batches  # noqa: E402
 from retrieval_kit import dist, loop, optim  # noqa: E402
 from retrieval_kit.collate import pair_layout, rerank_inputs  # noqa: E402
 from retrieval_kit.losses import RERANK_LOSSES, reranker_loss  # noqa: E402
@@ -58,11 +54,9 @@ def make_kit(model_dir, args, ctx):
 
 def st_run(model_dir, args, work, n_steps):
     """Train sentence-transformers' CrossEncoder for n_steps on `work`; returns the step times."""
-    from datasets import Dataset
     from sentence_transformers.cross_encoder import CrossEncoder as STCrossEncoder, CrossEncoderTrainer
     from sentence_transformers.cross_encoder.losses import ListNetLoss
     from sentence_transformers.cross_encoder.training_args import CrossEncoderTrainingArguments
-    from transformers import TrainerCallback
 
     rows = {"query": [], "docs": [], "labels": []}
     for queries, groups in work[:n_steps]:
@@ -71,25 +65,8 @@ def st_run(model_dir, args, work, n_steps):
             rows["docs"].append(list(group))
             rows["labels"].append([100.0] + [0.0] * (len(group) - 1))
     model = STCrossEncoder(model_dir, num_labels=1, max_length=args.max_length, device="cpu")
-    ends = []
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, *a, **k):
-            ends.append(time.perf_counter())
-
-        def on_step_end(self, *a, **k):
-            ends.append(time.perf_counter())
-
-    with tempfile.TemporaryDirectory() as out:
-        targs = CrossEncoderTrainingArguments(
-            output_dir=out, per_device_train_batch_size=args.batch_size, max_steps=n_steps, learning_rate=2e-5,
-            weight_decay=0.01, optim="adamw_torch_fused", lr_scheduler_type="constant", warmup_steps=0,
-            max_grad_norm=1.0, logging_steps=10 ** 9, save_strategy="no", report_to="none", disable_tqdm=True,
-            dataloader_drop_last=True, batch_sampler=sequential_batches, seed=0, use_cpu=True)
-        trainer = CrossEncoderTrainer(model=model, args=targs, train_dataset=Dataset.from_dict(rows),
-                                      loss=ListNetLoss(model), callbacks=[Clock()])
-        trainer.train()
-    return [b - a for a, b in zip(ends, ends[1:])]
+    return st_train(CrossEncoderTrainer, CrossEncoderTrainingArguments, model, rows, ListNetLoss(model),
+                    args.batch_size, n_steps, 2e-5)
 
 
 def main():
@@ -124,42 +101,12 @@ def main():
             tokens.append([int(x) for x in inputs["pairs"].batch["attention_mask"].sum(1)])
         return times, tokens
 
-    if args.only:
-        n = args.warmup + 2
-        reset_peak_rss()
-        base = current_rss_mb()
-        kit_block(n) if args.only == "kit" else st_run(model_dir, args, work, n)
-        print(json.dumps({"peak_rss_mb": peak_rss_mb(), "step_mb": peak_rss_mb() - base}))
-        return
-
-    total = args.warmup + args.steps
-    kit_times, st_times, lengths = [], [], []
-    for _ in range(2):
-        t, toks = kit_block(total)
-        kit_times += t[args.warmup:]
-        lengths += toks[args.warmup:]
-        st_times += st_run(model_dir, args, work, total)[args.warmup:]
-    mem = {}
-    for side in ("kit", "st"):
-        out = subprocess.run([sys.executable, __file__, "--only", side] + sys.argv[1:], capture_output=True, text=True,
-                             check=True)
-        mem[side] = json.loads(out.stdout.strip().splitlines()[-1])
-    config = AutoConfig.from_pretrained(model_dir)
-    kit_s, st_s = statistics.median(kit_times), statistics.median(st_times)
-    flops = statistics.median(useful_flops(config, toks) for toks in lengths)
-    peak = matmul_peak(config)
-    mean_len = statistics.mean(x for toks in lengths for x in toks)
-    print(f"model {model_dir} (fresh one-logit head)\n{args.batch_size} queries x {args.n_passages} pairs, max length "
-          f"{args.max_length} (mean pair {mean_len:.0f} tokens), {args.train_file}, {2 * args.steps} timed steps per "
-          f"side, threads {torch.get_num_threads()}, kit --chunk-tokens {args.chunk_tokens}")
-    print(f"{'':22} {'median step s':>14} {'peak RSS MB':>12} {'step MB':>8} {'useful GFLOP/s':>15}")
-    for name, side, s in (("sentence-transformers", "st", st_s), ("kit", "kit", kit_s)):
-        print(f"{name:22} {s:14.3f} {mem[side]['peak_rss_mb']:12.0f} {mem[side]['step_mb']:8.0f} "
-              f"{flops / s / 1e9:15.1f}")
-    print(f"kit / sentence-transformers: {kit_s / st_s:.3f} (step time), "
-          f"{mem['kit']['peak_rss_mb'] / mem['st']['peak_rss_mb']:.3f} (peak RSS); fp32 matmul peak at the model's "
-          f"shapes {peak:.1f} GFLOP/s: kit {100 * flops / kit_s / 1e9 / peak:.0f}%, sentence-transformers "
-          f"{100 * flops / st_s / 1e9 / peak:.0f}%")
+    lengths = [x for queries, groups in work for x in collate(queries, groups)["pairs"].batch["attention_mask"].sum(1)]
+    compare(args, kit_block, lambda n: st_run(model_dir, args, work, n), AutoConfig.from_pretrained(model_dir),
+            f"model {model_dir} (fresh one-logit head)\n{args.batch_size} queries x {args.n_passages} pairs, max "
+            f"length {args.max_length} (mean pair {float(sum(lengths)) / len(lengths):.0f} tokens), {args.train_file}, "
+            f"{2 * args.steps} timed steps per side, threads {torch.get_num_threads()}, kit --chunk-tokens "
+            f"{args.chunk_tokens}")
     dist.cleanup()
 
 
