@@ -45,8 +45,8 @@ def main():
     model_dir = args.model or default_model_dir()
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
     encoder, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
-        functools.partial(load_encoder, model_dir, storage_dtype, args.trust_remote_code, args.attn_implementation),
-        args.parallel == "fsdp2", ctx)
+        functools.partial(load_encoder, model_dir, storage_dtype, args.trust_remote_code, args.attn_implementation,
+                          attention_dropout=args.attention_dropout), args.parallel == "fsdp2", ctx)
     dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights, embedding_size(encoder))
     settings = evaluate.biencoder_settings(model_dir, cli.setting_overrides(args))  # says what the dir set
     settings.update(prepare_embedder(tokenizer, encoder, settings, args.append_eos, args.bidirectional,

@@ -39,6 +39,13 @@ def tokenization_settings(args, tokenizer, template):
             "pad_to_multiple_of": args.pad_to_multiple_of}
 
 
+def set_padding_side(tokenizer, padding_side, head):
+    """--padding-side; auto: the tokenizer's own, but left under an LM head (it scores after the last token)."""
+    if padding_side != "auto" or head == "lm":
+        tokenizer.padding_side = "left" if padding_side == "auto" else padding_side
+    return tokenizer
+
+
 def resolve_template(template, config):
     """--prompt-template (or a --train-mix line's "prompt_template"): 'auto' = 'pair' for encoders,
     the default template for decoders; a preset's name (collate.TEMPLATE_PRESETS) = its template."""
@@ -109,12 +116,11 @@ def main():
     # ----- model in the storage dtype, how pairs become tokens; resume, part 1: weights -> cast ---
     storage_dtype, compute_dtype, autocast_dtype = cli.precision_dtypes(args)  # precision.resolve
     model_dir = args.model or default_model_dir()
-    tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
-    if args.padding_side != "auto" or args.head == "lm":  # an LM head scores after the last token: pad left
-        tokenizer.padding_side = "left" if args.padding_side == "auto" else args.padding_side
+    tokenizer = set_padding_side(load_tokenizer(model_dir, args.trust_remote_code), args.padding_side, args.head)
     net, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
         functools.partial(load_lm_reranker if args.head == "lm" else load_reranker, model_dir, storage_dtype,
-                          args.trust_remote_code, args.attn_implementation), args.parallel == "fsdp2", ctx)
+                          args.trust_remote_code, args.attn_implementation, attention_dropout=args.attention_dropout),
+        args.parallel == "fsdp2", ctx)
     lm_ids = lm_token_ids(tokenizer, args.lm_tokens) if args.head == "lm" else None  # [true, false] vocab rows
     setup_pad_token(tokenizer, net)
     if args.bidirectional:

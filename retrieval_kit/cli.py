@@ -266,6 +266,10 @@ def add_precision_args(parser):
     flag(g, "--attn-implementation", choices=("auto", "eager", "sdpa", "flash_attention_2", "flex_attention"),
          default="auto", help="the model's attention kernel (transformers' attn_implementation; default "
                               "auto = transformers' choice, sdpa where the model has it)")
+    flag(g, "--attention-dropout", type=flags.fraction, default=None,
+         help="dropout on the attention probabilities, in place of the model config's (BERT's 0.1; 0 lets "
+              "SDPA keep its fused kernel: a faster step on a CPU, docs/benchmarks.md); recorded in the export's "
+              "config (default: the config's)")
     return g
 
 

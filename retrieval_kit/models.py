@@ -143,9 +143,10 @@ def embedding_size(model):
 
 
 def load_auto(auto_class, path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False,
-              **config_kw):
+              attention_dropout=None, **config_kw):
     """`auto_class`.from_pretrained(path) in `dtype` (or built on the meta device: on_meta), one sentence
-    if it cannot load; a config that pins another dtype is cast to `dtype` (the resolved storage dtype wins)."""
+    if it cannot load; a config that pins another dtype is cast to `dtype` (the resolved storage dtype wins);
+    `attention_dropout` (not None): set_attention_dropout."""
     with loading(path, "model"):
         if meta:
             model = on_meta(auto_class, path, dtype, trust_remote_code, attn_implementation, **config_kw)
@@ -154,12 +155,41 @@ def load_auto(auto_class, path, dtype=torch.float32, trust_remote_code=False, at
                                                **attn_kwargs(attn_implementation), **config_kw)
     if dtype is not None and any(p.dtype != dtype for p in model.parameters()):
         model.to(dtype)
+    if attention_dropout is not None:
+        set_attention_dropout(model, attention_dropout)
     return model
 
 
-def load_encoder(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False):
-    """Load any Hugging Face encoder directory with AutoModel, in `dtype` (`meta`: built on the meta device)."""
-    model = load_auto(AutoModel, path, dtype, trust_remote_code, attn_implementation, meta)
+def set_attention_dropout(model, p):
+    """--attention-dropout: the dropout on the attention probabilities, in place of the config's, in
+    every attention module (BERT-style: the `dropout` module beside query / key / value, whose p the
+    SDPA call reads; Llama-style: the `attention_dropout` float) and in the config, so the export says
+    what was trained. On a CPU, SDPA with dropout leaves its fused kernel for the unfused maths
+    (docs/benchmarks.md). Returns how many modules were set; none found is one sentence."""
+    for key in ("attention_probs_dropout_prob", "attention_dropout"):
+        if hasattr(model.config, key):
+            setattr(model.config, key, p)
+    n = 0
+    for m in model.modules():
+        if isinstance(getattr(m, "attention_dropout", None), float):
+            m.attention_dropout = p
+            n += 1
+        elif all(hasattr(m, k) for k in ("query", "key", "value")) and isinstance(getattr(m, "dropout", None),
+                                                                                  torch.nn.Dropout):
+            m.dropout.p = p
+            n += 1
+    if n == 0:
+        raise SystemExit(f"--attention-dropout: {type(model).__name__} has no attention module the kit knows "
+                         "(BERT-style query / key / value with a dropout, or an `attention_dropout` value); leave the "
+                         "flag off for this model")
+    return n
+
+
+def load_encoder(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False,
+                 attention_dropout=None):
+    """Load any Hugging Face encoder directory with AutoModel, in `dtype` (`meta`: built on the meta device;
+    `attention_dropout`: set_attention_dropout)."""
+    model = load_auto(AutoModel, path, dtype, trust_remote_code, attn_implementation, meta, attention_dropout)
     if getattr(model, "pooler", None) is not None:
         # BERT-style pooler head: our pooling replaces it, and params that get no grad would stall DDP
         model.pooler.requires_grad_(False)
@@ -383,21 +413,24 @@ def prepare_embedder(tokenizer, model, settings, append_eos=None, bidirectional=
             "bidirectional": bool(bidirectional) or getattr(model.config, "is_causal", True) is False}
 
 
-def load_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False):
+def load_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False,
+                  attention_dropout=None):
     """AutoModelForSequenceClassification with one logit; an encoder checkpoint gets a fresh head
-    (`meta`: built on the meta device)."""
+    (`meta`: built on the meta device; `attention_dropout`: set_attention_dropout)."""
     from transformers import AutoModelForSequenceClassification
 
     return load_auto(AutoModelForSequenceClassification, path, dtype, trust_remote_code, attn_implementation, meta,
-                     num_labels=1)
+                     attention_dropout, num_labels=1)
 
 
-def load_lm_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False):
+def load_lm_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False,
+                     attention_dropout=None):
     """AutoModelForCausalLM, for a reranker scored by its LM head (CrossEncoder(lm_tokens=...)); `meta`:
-    built on the meta device."""
+    built on the meta device; `attention_dropout`: set_attention_dropout."""
     from transformers import AutoModelForCausalLM
 
-    return load_auto(AutoModelForCausalLM, path, dtype, trust_remote_code, attn_implementation, meta)
+    return load_auto(AutoModelForCausalLM, path, dtype, trust_remote_code, attn_implementation, meta,
+                     attention_dropout)
 
 
 def lm_token_ids(tokenizer, words):

@@ -21,18 +21,21 @@ def bench(script, args):
 
 
 @pytest.mark.parametrize("script,args,says", [
-    ("bench_peer.py", ["--steps", 1, "--warmup", 1], "kit / sentence-transformers:"),
-    ("bench_train_step.py", ["--steps", 1, "--warmup", 1, "--workers", 0], "overhead ratio kit/bare:"),
+    ("bench_peer.py", ["--steps", 1, "--warmup", 1, "--passage-max-length", 32], "kit / sentence-transformers:"),
+    ("bench_peer_reranker.py", ["--steps", 1, "--warmup", 1, "--max-length", 32, "--n-passages", 2],
+     "kit / sentence-transformers:"),
+    ("bench_train_step.py", ["--steps", 1, "--warmup", 1, "--workers", 0, "--passage-max-length", 32],
+     "overhead ratio kit/bare:"),
 ])
 def test_bench_script_runs_on_the_tiny_model(script, args, says, tiny_model_dir, small_train_file):
-    out = bench(script, ["--model", tiny_model_dir, "--train-file", small_train_file, "--batch-size", 4,
-                         "--passage-max-length", 32, *args])
+    out = bench(script, ["--model", tiny_model_dir, "--train-file", small_train_file, "--batch-size", 4, *args])
     assert says in out, out[-2000:]
 
 
 @pytest.mark.skipif(minilm_dir() is None, reason="these benches run the default model")
 @pytest.mark.parametrize("script,args,says", [
-    ("bench_encode.py", ["--docs", 20, "--reps", 1, "--batch-size", 8, "--max-length", 32], "speed-up kit/plain:"),
+    ("bench_encode.py", ["--docs", 20, "--pairs", 20, "--reps", 1, "--batch-size", 8, "--max-length", 32,
+                         "--pair-max-length", 64], "kit score_pairs"),
     ("bench_grad_cache.py", ["--batches", 4, "--max-length", 32, "--chunk-tokens", 64], "grad-cache peak, batch 4"),
     ("bench_dist.py", ["--reps", 2, "--skip-ranks"], "clip_grad_norm_ (per param)"),
 ])

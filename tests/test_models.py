@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel, AutoTokenizer, BertModel
 
 from retrieval_kit.collate import collate_rerank, tokenize
 from retrieval_kit.models import (BiEncoder, CrossEncoder, encode, load_encoder, load_reranker, make_bidirectional,
@@ -99,3 +99,63 @@ def test_bidirectional_attention_sees_later_tokens(tiny_decoder_dir):
         pad1 = bidir(input_ids=torch.cat([changed, ids]), attention_mask=mask).last_hidden_state
     assert (pad0[0, 0] - pad1[0, 0]).abs().max() > 1e-4
     assert torch.allclose(pad0[1, :4], pad1[1, :4], atol=1e-6)  # masked tokens stay invisible
+
+
+def _train_mode_outputs(model, ids):
+    model.train()
+    with torch.no_grad():
+        return [model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state for _ in range(2)]
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_attention_dropout_flag_sets_every_attention_and_the_config(kind, tokenizer, tmp_path):
+    """--attention-dropout: with the hidden dropout off, a train-mode forward is random only through the
+    attention dropout; set to 0 it equals the eval-mode forward, and the saved config says 0."""
+    from transformers import LlamaConfig, LlamaModel
+
+    from retrieval_kit.models import set_attention_dropout
+    from tests.conftest import tiny_bert_config
+
+    torch.manual_seed(0)
+    model = (BertModel(tiny_bert_config(len(tokenizer), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.5))
+             if kind == "bert" else
+             LlamaModel(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.5)))
+    ids = torch.randint(3, 60, (2, 12))
+    a, b = _train_mode_outputs(model, ids)
+    assert (a - b).abs().max() > 1e-3  # the attention dropout is live
+    assert set_attention_dropout(model, 0.0) == 2  # one attention module per layer
+    a, b = _train_mode_outputs(model, ids)
+    model.eval()
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
+    assert torch.equal(a, b) and (a - ref).abs().max() < 1e-6
+    model.save_pretrained(tmp_path)
+    saved = AutoModel.from_pretrained(tmp_path).config
+    assert getattr(saved, "attention_probs_dropout_prob" if kind == "bert" else "attention_dropout") == 0.0
+
+
+def test_attention_dropout_on_a_model_without_attention_modules_is_one_sentence():
+    from retrieval_kit.models import set_attention_dropout
+
+    class Plain(torch.nn.Module):
+        config = type("Config", (), {})()
+
+    with pytest.raises(SystemExit, match="--attention-dropout: Plain has no attention module the kit knows"):
+        set_attention_dropout(Plain(), 0.0)
+
+
+@pytest.mark.parametrize("script", ["train_biencoder.py", "train_reranker.py"])
+def test_attention_dropout_flag_reaches_the_trained_model_and_its_export(script, tiny_model_dir, small_train_file,
+                                                                         tmp_path):
+    import json
+    import os
+
+    from tests.conftest import run_script
+
+    run_script(script, ["--model", tiny_model_dir, "--train-file", small_train_file, "--val-file", "", "--batch-size", 4,
+                        "--n-passages", 2, "--max-steps", 1, "--warmup-steps", 0, "--attention-dropout", 0.25,
+                        "--rerank-max-length" if "reranker" in script else "--passage-max-length", 64,
+                        "--output-dir", tmp_path])
+    assert json.load(open(os.path.join(tmp_path, "final", "config.json")))["attention_probs_dropout_prob"] == 0.25
+    assert json.load(open(os.path.join(tiny_model_dir, "config.json")))["attention_probs_dropout_prob"] == 0.1
