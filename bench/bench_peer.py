@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)
 from bench.bench_train_step import (batches, current_rss_mb, kit_collate, make_kit, peak_rss_mb,  # noqa: E402
                                     reset_peak_rss)
 from retrieval_kit import dist  # noqa: E402
-from retrieval_kit.models import default_model_dir  # noqa: E402
+from retrieval_kit.models import default_model_dir, set_attention_dropout  # noqa: E402
 
 
 def useful_flops(config, lengths):
@@ -89,8 +89,17 @@ def st_run(model_dir, args, work, n_steps):
             rows["negative"].append(neg)
     model = SentenceTransformer(model_dir, device="cpu")
     model.max_seq_length = args.passage_max_length
+    set_st_attention_dropout(model, args.attention_dropout)
     return st_train(SentenceTransformerTrainer, SentenceTransformerTrainingArguments, model, rows,
                     MultipleNegativesRankingLoss(model, scale=20.0), args.batch_size, n_steps, 1e-5)
+
+
+def set_st_attention_dropout(st_model, p):
+    """The kit's --attention-dropout on a sentence-transformers model's transformer (None: leave it)."""
+    from transformers import PreTrainedModel
+
+    if p is not None:
+        set_attention_dropout(next(m for m in st_model.modules() if isinstance(m, PreTrainedModel)), p)
 
 
 def st_train(trainer_cls, args_cls, model, rows, loss, batch_size, n_steps, lr):
@@ -165,6 +174,8 @@ def main():
     ap.add_argument("--query-max-length", type=int, default=32)
     ap.add_argument("--passage-max-length", type=int, default=128)
     ap.add_argument("--chunk-tokens", type=int, default=1024, help="the kit's --chunk-tokens")
+    ap.add_argument("--attention-dropout", type=float, default=None,
+                    help="the kit's --attention-dropout, on both sides (default: the model config's)")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per block (two blocks per side)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each block")
     ap.add_argument("--only", choices=("kit", "st"), help="(internal) run one side and print its peak RSS")
@@ -192,7 +203,8 @@ def main():
     compare(args, kit_block, lambda n: st_run(model_dir, args, work, n), AutoConfig.from_pretrained(model_dir),
             f"model {model_dir}\n{args.batch_size} queries x (1 positive + 1 hard negative), max lengths "
             f"{args.query_max_length}/{args.passage_max_length}, {args.train_file}, {2 * args.steps} timed steps per "
-            f"side, threads {torch.get_num_threads()}, kit --chunk-tokens {args.chunk_tokens}")
+            f"side, threads {torch.get_num_threads()}, kit --chunk-tokens {args.chunk_tokens}, attention dropout "
+            f"{'as configured' if args.attention_dropout is None else args.attention_dropout}")
     dist.cleanup()
 
 

@@ -28,7 +28,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.bench_peer import compare, st_train  # noqa: E402
+from bench.bench_peer import compare, set_st_attention_dropout, st_train  # noqa: E402
 from bench.bench_train_step import batches  # noqa: E402
 from retrieval_kit import dist, loop, optim  # noqa: E402
 from retrieval_kit.collate import pair_layout, rerank_inputs  # noqa: E402
@@ -38,7 +38,7 @@ from retrieval_kit.models import CrossEncoder, default_model_dir, load_reranker 
 
 def make_kit(model_dir, args, ctx):
     """train_reranker.py's step with its default flags: step(inputs) on one collated micro-batch."""
-    net = load_reranker(model_dir).train()
+    net = load_reranker(model_dir, attention_dropout=args.attention_dropout).train()
     model, _ = dist.wrap(CrossEncoder(net), net, ctx)
     opt = optim.build_optimizer(optim.param_groups(net, 0.01), 2e-5)
     sched = optim.build_scheduler(opt, 0, 1000)
@@ -65,6 +65,7 @@ def st_run(model_dir, args, work, n_steps):
             rows["docs"].append(list(group))
             rows["labels"].append([100.0] + [0.0] * (len(group) - 1))
     model = STCrossEncoder(model_dir, num_labels=1, max_length=args.max_length, device="cpu")
+    set_st_attention_dropout(model, args.attention_dropout)
     return st_train(CrossEncoderTrainer, CrossEncoderTrainingArguments, model, rows, ListNetLoss(model),
                     args.batch_size, n_steps, 2e-5)
 
@@ -77,6 +78,8 @@ def main():
     ap.add_argument("--n-passages", type=int, default=4, help="pairs per query: 1 positive + n-1 negatives")
     ap.add_argument("--max-length", type=int, default=512, help="tokens per pair (the kit's --rerank-max-length)")
     ap.add_argument("--chunk-tokens", type=int, default=1024, help="the kit's --chunk-tokens")
+    ap.add_argument("--attention-dropout", type=float, default=None,
+                    help="the kit's --attention-dropout, on both sides (default: the model config's)")
     ap.add_argument("--steps", type=int, default=6, help="timed steps per block (two blocks per side)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each block")
     ap.add_argument("--only", choices=("kit", "st"), help="(internal) run one side and print its peak RSS")
@@ -106,7 +109,8 @@ def main():
             f"model {model_dir} (fresh one-logit head)\n{args.batch_size} queries x {args.n_passages} pairs, max "
             f"length {args.max_length} (mean pair {float(sum(lengths)) / len(lengths):.0f} tokens), {args.train_file}, "
             f"{2 * args.steps} timed steps per side, threads {torch.get_num_threads()}, kit --chunk-tokens "
-            f"{args.chunk_tokens}")
+            f"{args.chunk_tokens}, attention dropout "
+            f"{'as configured' if args.attention_dropout is None else args.attention_dropout}")
     dist.cleanup()
 
 

@@ -77,7 +77,7 @@ def batches(args):
 def make_kit(model_dir, args, ctx):
     """The step of train_biencoder.py: step(inputs) runs forward/backward and the step tail on one
     collated micro-batch ({"q": Chunked, "p": Chunked}); returns the host reads it made."""
-    enc = load_encoder(model_dir).train()
+    enc = load_encoder(model_dir, attention_dropout=getattr(args, "attention_dropout", None)).train()
     model, _ = dist.wrap(BiEncoder(enc, "avg", True), enc, ctx, activation_checkpointing=args.activation_checkpointing)
     opt = optim.build_optimizer(optim.param_groups(enc, 0.01), 1e-5)
     sched = optim.build_scheduler(opt, 0, 1000)
