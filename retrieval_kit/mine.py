@@ -8,9 +8,45 @@ and up to `k` of the rest are kept, best first.
 """
 
 
+import torch
+
+
+def by_score_then_id(scores, idx):
+    """Each row's candidates best first, equal scores by ascending passage index: the same order
+    however the candidates were found (one search, or shards merged)."""
+    order = idx.argsort(dim=1)
+    scores, idx = scores.gather(1, order), idx.gather(1, order)
+    order = scores.argsort(dim=1, descending=True, stable=True)
+    return scores.gather(1, order), idx.gather(1, order)
+
+
+def filter_candidates(top_scores, top_idx, positives, best_positive, k, skip_top=0, max_score_ratio=0.95,
+                      p_texts=None):
+    """The window and the false-negative filter (module docstring) over each query's ranked candidates
+    (top_scores / top_idx: (Q, depth), best first); best_positive[i]: the best score of query i's
+    positives. Returns a list (one per query) of up to k passage indices."""
+    out = []
+    for row, (row_scores, row_idx) in enumerate(zip(top_scores.tolist(), top_idx.tolist())):
+        pos = set(positives[row])
+        pos_texts = {p_texts[j] for j in pos} if p_texts is not None else set()
+        limit = float("inf") if max_score_ratio is None else max_score_ratio * float(best_positive[row])
+        negs, seen = [], 0
+        for score, j in zip(row_scores, row_idx):
+            if j in pos or (p_texts is not None and p_texts[j] in pos_texts):
+                continue  # a positive, or its exact duplicate: not a candidate at all
+            seen += 1
+            if seen <= skip_top or score > limit:
+                continue
+            negs.append(j)
+            if len(negs) == k:
+                break
+        out.append(negs)
+    return out
+
+
 def mine_hard_negatives(q_emb, p_emb, positives, k, skip_top=0, max_score_ratio=0.95,
                         p_texts=None, depth=None, chunk_size=1024):
-    """Return a list (one per query) of up to k passage indices into p_emb.
+    """Return a list (one per query) of up to k passage indices into p_emb, in one process.
 
     q_emb (Q, H), p_emb (P, H); positives[i] is a collection of passage indices for query i.
     Scores are computed in query chunks so the full (Q, P) matrix is never built.
@@ -19,23 +55,41 @@ def mine_hard_negatives(q_emb, p_emb, positives, k, skip_top=0, max_score_ratio=
     out = []
     for s in range(0, q_emb.shape[0], chunk_size):
         scores = q_emb[s:s + chunk_size] @ p_emb.T  # (C, P)
-        top_scores, top_idx = scores.topk(depth, dim=1)
-        for row in range(scores.shape[0]):
-            i = s + row
-            pos = set(positives[i])
-            pos_texts = {p_texts[j] for j in pos} if p_texts is not None else set()
-            limit = float("inf") if max_score_ratio is None else max_score_ratio * max(scores[row, j].item() for j in pos)
-            negs, seen = [], 0
-            for score, j in zip(top_scores[row].tolist(), top_idx[row].tolist()):
-                if j in pos or (p_texts is not None and p_texts[j] in pos_texts):
-                    continue  # a positive, or its exact duplicate: not a candidate at all
-                seen += 1
-                if seen <= skip_top or score > limit:
-                    continue
-                negs.append(j)
-                if len(negs) == k:
-                    break
-            out.append(negs)
+        top = by_score_then_id(*scores.topk(depth, dim=1))
+        best = [max(scores[row, j].item() for j in positives[s + row]) for row in range(scores.shape[0])]
+        out += filter_candidates(*top, positives[s:s + chunk_size], best, k, skip_top, max_score_ratio, p_texts)
+    return out
+
+
+def mine_sharded(q_emb, p_shard, offset, n_total, positives, k, skip_top=0, max_score_ratio=0.95, p_texts=None,
+                 depth=None, block=16384, device="cpu"):
+    """mine_hard_negatives over a corpus split over the ranks, as evaluation searches: each rank holds
+    only its shard of the passage embeddings (rows offset..offset+len of the n_total passages, from
+    encode.encode_shard) and searches it for every query (q_emb: all queries, on every rank), in blocks
+    of `block` queries; per block only each shard's top `depth` are gathered and merged (search.sharded_topk),
+    and each query's best positive score is the maximum over the shards that hold its positives.
+    The same negatives as one process with the whole corpus, in the same order (ties by passage index)."""
+    import torch.distributed as tdist
+
+    from .dist import world_size
+    from .search import sharded_topk
+
+    depth = min(n_total, depth or (k + skip_top + 50))
+    flat_q = torch.tensor([i for i, pos in enumerate(positives) for _ in pos], dtype=torch.long)
+    flat_p = torch.tensor([j for pos in positives for j in pos], dtype=torch.long)
+    mine = (flat_p >= offset) & (flat_p < offset + p_shard.shape[0])  # positives in this rank's shard
+    best = torch.full((len(positives),), float("-inf"))
+    scores = (q_emb[flat_q[mine]] * p_shard[flat_p[mine] - offset]).sum(-1)
+    best.scatter_reduce_(0, flat_q[mine], scores, reduce="amax")
+    if world_size() > 1:
+        best = best.to(device)
+        tdist.all_reduce(best, op=tdist.ReduceOp.MAX)
+        best = best.cpu()
+    out = []
+    for s in range(0, q_emb.shape[0], block):
+        top = by_score_then_id(*sharded_topk(q_emb[s:s + block], p_shard, offset, depth, n_total, device))
+        out += filter_candidates(*top, positives[s:s + block], best[s:s + block], k, skip_top, max_score_ratio,
+                                 p_texts)
     return out
 
 
@@ -54,7 +108,7 @@ def main(argv=None):
 
     from . import dist, flags
     from .records import read_records
-    from .encode import encode_sharded
+    from .encode import encode_shard, encode_sharded
     from . import cli
     from .evaluate import biencoder_settings
     from .formats import read_corpus
@@ -105,12 +159,15 @@ def main(argv=None):
     tok = load_tokenizer(model_dir)
     enc = load_encoder(model_dir).to(ctx.device)
     prepare_embedder(tok, enc, s)  # a decoder: pad token, left padding, EOS for last pooling
-    p_emb = encode_sharded(enc, tok, texts, s["passage_max_length"], s["passage_prefix"], args.batch_size,
-                           s["pooling"], s["normalize"], ctx.device, ctx.is_main, "corpus")
+    p_shard, offset = encode_shard(enc, tok, texts, s["passage_max_length"], s["passage_prefix"], args.batch_size,
+                                   s["pooling"], s["normalize"], ctx.device, ctx.is_main, "corpus")  # its shard only
     q_emb = encode_sharded(enc, tok, [r.query for r in records], s["query_max_length"], s["query_prefix"],
                            args.batch_size, s["pooling"], s["normalize"], ctx.device, ctx.is_main, "queries")
-    negs = mine_hard_negatives(q_emb, p_emb, [[index[p] for p in r.pos] for r in records], args.k, args.skip_top,
-                               args.max_score_ratio if args.max_score_ratio > 0 else None, texts, args.depth)
+    dist.print0(f"candidates: {len(texts):,} passages, each rank encoding and searching its shard of at most "
+                f"{-(-len(texts) // ctx.world_size):,} ({ctx.world_size} rank{'s' if ctx.world_size > 1 else ''})")
+    negs = mine_sharded(q_emb, p_shard, offset, len(texts), [[index[p] for p in r.pos] for r in records], args.k,
+                        args.skip_top, args.max_score_ratio if args.max_score_ratio > 0 else None, texts, args.depth,
+                        device=ctx.device)
     if ctx.is_main:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         kept = [(r, n) for r, n in zip(records, negs) if n]  # a query with no negative left teaches nothing
