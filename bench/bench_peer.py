@@ -142,7 +142,7 @@ def compare(args, kit_block, st_block, config, header):
         return
     total = args.warmup + args.steps
     kit_times, st_times, lengths = [], [], []
-    for _ in range(2):
+    for _ in range(getattr(args, "blocks", 2)):
         t, toks = kit_block(total)
         kit_times += t[args.warmup:]
         lengths += toks[args.warmup:]
@@ -176,8 +176,9 @@ def main():
     ap.add_argument("--chunk-tokens", type=int, default=1024, help="the kit's --chunk-tokens")
     ap.add_argument("--attention-dropout", type=float, default=None,
                     help="the kit's --attention-dropout, on both sides (default: the model config's)")
-    ap.add_argument("--steps", type=int, default=6, help="timed steps per block (two blocks per side)")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per block")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each block")
+    ap.add_argument("--blocks", type=int, default=2, help="blocks per side, alternating kit and st (default 2)")
     ap.add_argument("--only", choices=("kit", "st"), help="(internal) run one side and print its peak RSS")
     args = ap.parse_args()
     args.n_passages, args.grad_cache, args.activation_checkpointing = 2, False, False
@@ -202,7 +203,7 @@ def main():
 
     compare(args, kit_block, lambda n: st_run(model_dir, args, work, n), AutoConfig.from_pretrained(model_dir),
             f"model {model_dir}\n{args.batch_size} queries x (1 positive + 1 hard negative), max lengths "
-            f"{args.query_max_length}/{args.passage_max_length}, {args.train_file}, {2 * args.steps} timed steps per "
+            f"{args.query_max_length}/{args.passage_max_length}, {args.train_file}, {args.blocks * args.steps} timed steps per "
             f"side, threads {torch.get_num_threads()}, kit --chunk-tokens {args.chunk_tokens}, attention dropout "
             f"{'as configured' if args.attention_dropout is None else args.attention_dropout}")
     dist.cleanup()

@@ -80,8 +80,9 @@ def main():
     ap.add_argument("--chunk-tokens", type=int, default=1024, help="the kit's --chunk-tokens")
     ap.add_argument("--attention-dropout", type=float, default=None,
                     help="the kit's --attention-dropout, on both sides (default: the model config's)")
-    ap.add_argument("--steps", type=int, default=6, help="timed steps per block (two blocks per side)")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per block")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each block")
+    ap.add_argument("--blocks", type=int, default=2, help="blocks per side, alternating kit and st (default 2)")
     ap.add_argument("--only", choices=("kit", "st"), help="(internal) run one side and print its peak RSS")
     args = ap.parse_args()
     from transformers import AutoConfig, AutoTokenizer
@@ -108,7 +109,7 @@ def main():
     compare(args, kit_block, lambda n: st_run(model_dir, args, work, n), AutoConfig.from_pretrained(model_dir),
             f"model {model_dir} (fresh one-logit head)\n{args.batch_size} queries x {args.n_passages} pairs, max "
             f"length {args.max_length} (mean pair {float(sum(lengths)) / len(lengths):.0f} tokens), {args.train_file}, "
-            f"{2 * args.steps} timed steps per side, threads {torch.get_num_threads()}, kit --chunk-tokens "
+            f"{args.blocks * args.steps} timed steps per side, threads {torch.get_num_threads()}, kit --chunk-tokens "
             f"{args.chunk_tokens}, attention dropout "
             f"{'as configured' if args.attention_dropout is None else args.attention_dropout}")
     dist.cleanup()
