@@ -161,8 +161,8 @@ def test_sigterm_saves_a_checkpoint_that_resumes_exactly_reranker(tiny_model_dir
     assert_same_run(ref, run)
 
 
-@pytest.mark.parametrize("parallel,sig,lora", [("ddp", signal.SIGKILL, 0), ("fsdp2", signal.SIGTERM, 0),
-                                               ("fsdp2", signal.SIGKILL, 4)])
+# DDP killed with SIGKILL on 2 ranks, then resumed bitwise, is test_nodes's run (one agent per node)
+@pytest.mark.parametrize("parallel,sig,lora", [("fsdp2", signal.SIGTERM, 0), ("fsdp2", signal.SIGKILL, 4)])
 def test_two_rank_kill_then_resume_is_bitwise_identical(tiny_model_dir, small_train_file, tmp_path, parallel, sig, lora):
     ref = tmp_path / "ref"
     extra = ["--parallel", parallel, "--lora-rank", lora]  # LoRA: the base built on the meta device, adapters restored

@@ -74,15 +74,15 @@ def test_real_minilm_reranker_learns_and_scores_the_same_in_stock_loaders(tmp_pa
     1 negative, scored by the kit and by AutoModelForSequenceClassification / CrossEncoder."""
     out = tmp_path / "rr"
     proc = run_script("train_reranker.py", [
-        "--max-steps", 48, "--warmup-steps", 3, "--batch-size", 8,  # 8 queries x 4 pairs; default lr, pooling
-        "--rerank-max-length", 192, "--val-file", "", "--output-dir", out])
+        "--max-steps", 32, "--warmup-steps", 2, "--batch-size", 8,  # 8 queries x 4 pairs; default lr, pooling
+        "--rerank-max-length", 128, "--val-file", "", "--output-dir", out])
     assert "kit-only" not in proc.stdout + proc.stderr
     val, _ = read_records(os.path.join(ROOT, "data", "val.jsonl"), 2)
     val = val[:96]
     queries, groups = [r.query for r in val], [data.fixed_group(r, 2) for r in val]
 
     model, tok, settings = load_exported_reranker(str(out / "final"))
-    assert settings["rerank_max_length"] == 192 and settings["prompt_template"] == "pair" and settings["portable"]
+    assert settings["rerank_max_length"] == 128 and settings["prompt_template"] == "pair" and settings["portable"]
     tuned = rerank_groups(model, tok, queries, groups, settings)
     torch.manual_seed(42)  # the script's seed: the same fresh head the run started from
     from retrieval_kit.models import CrossEncoder
