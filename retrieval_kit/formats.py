@@ -386,9 +386,28 @@ def unread_fields(obj, fields):
 
 # ----- BEIR ----------------------------------------------------------------------------------------
 
-def read_corpus(path):
+def read_corpus(path, cache=None):
     """A BEIR corpus.jsonl (plain or .gz) as a textstore.Corpus. A document's text is its title and
-    text joined by a space, as BEIR's dense baselines do; `_id` must be a unique non-empty string."""
+    text joined by a space, as BEIR's dense baselines do; `_id` must be a unique non-empty string.
+    cache: where its data cache is (datacache.entry_path: "auto", "off"/None, or a folder)."""
+    from . import datacache
+    from .textstore import Corpus
+
+    built = []
+
+    def build():
+        built.append(_parse_corpus(path))
+        return built[0].to_arrays(), {"digest": file_digest(path)}
+    arrays, info, state = datacache.cached(path, cache, {"what": "corpus"}, build, path)
+    if state is None:
+        return built[0]
+    del built[:]  # the mapped pages replace the parsed copy, in the process that built them too
+    corpus = Corpus.mapped(path, arrays)
+    corpus.digest = info["digest"]
+    return corpus
+
+
+def _parse_corpus(path):
     from .textstore import Corpus
 
     corpus, problems = Corpus(path), []

@@ -37,7 +37,7 @@ class Record:
 RESOLVE_EVERY = 4096  # records whose corpus ids are looked up together
 
 
-def read_records(path, n_passages=None, corpus=None, fill=None):
+def read_records(path, n_passages=None, corpus=None, fill=None, cache=None):
     """Read and validate a training JSONL file (any format in formats.py) into textstore.Records.
     Raises DataError listing every bad line. Returns (records, warnings); `records.summary` is one
     line saying what was read (the format, counts, scores, prompts, fields not read).
@@ -46,9 +46,10 @@ def read_records(path, n_passages=None, corpus=None, fill=None):
     the passage store. With `n_passages`, checks each record can form a group of 1 positive +
     (n_passages - 1) negatives: a record without negatives is an error unless `fill` is "random"
     (missing negatives drawn from all passages; sample_group); a record with too few samples them
-    with replacement (a warning) unless `fill` fills them.
+    with replacement (a warning) unless `fill` fills them. cache: where the parsed records are kept
+    (datacache.entry_path: "auto", "off"/None, or a folder).
     """
-    records, fmt, unread, one_word = parse_records(path, corpus)
+    records, fmt, unread, one_word = parse_records_cached(path, corpus, cache)
     # the pool is fixed here: a store shared with a file read later (--corpus) grows, and a
     # training record must not draw from the validation file's passages
     records.fill, records.pool = fill, len(records.passages)
@@ -58,6 +59,35 @@ def read_records(path, n_passages=None, corpus=None, fill=None):
                         "are ids into a corpus, pass --corpus (without it a string doc is the passage text)")
     records.summary = _summary(records, fmt, unread)
     return records, warnings
+
+
+def parse_records_cached(path, corpus, cache):
+    """parse_records through a data cache (datacache.cached): the records' arrays mapped from the
+    cache, parsed only when it is missing, stale or damaged. The same returns, and the records also
+    carry their file's content digest (`records.digest`) and distinct passage count."""
+    from . import datacache
+
+    n0 = len(corpus.texts) if corpus is not None else 0  # inline texts of the file go after the corpus's
+    key = {"what": "records", "corpus": datacache.fingerprint(corpus.path) if corpus is not None else None,
+           "corpus_texts": n0}
+    built = []
+
+    def build():
+        parsed = parse_records(path, corpus)
+        built.append(parsed)
+        return parsed[0].to_arrays(n0), {"format": parsed[1], "unread": dict(parsed[2]), "one_word": parsed[3],
+                                         "prompts": parsed[0].prompts, "digest": file_digest(path),
+                                         "distinct": distinct_passages(parsed[0])}
+    arrays, info, state = datacache.cached(path, cache, key, build, path)
+    if state is None:
+        return built[0]
+    records = Records.mapped(path, corpus.texts if corpus is not None else None, arrays, info["prompts"])
+    if state == "hit" and corpus is not None:  # (a build added them while parsing)
+        extra = TextStore.mapped(arrays["passages_buf"], arrays["passages_ends"])
+        for j in range(len(extra)):
+            corpus.texts.add(extra[j])
+    records.digest, records.distinct = info["digest"], info["distinct"]
+    return records, info["format"], Counter(info["unread"]), tuple(info["one_word"])
 
 
 def parse_records(path, corpus=None):
@@ -141,14 +171,18 @@ def check_groups(records, n_passages, fill=None):
     return warnings
 
 
+def distinct_passages(records):
+    return len(np.unique(np.concatenate([np.frombuffer(records.pos_ids, dtype=np.int32),
+                                         np.frombuffer(records.neg_ids, dtype=np.int32)])))
+
+
 def _summary(records, fmt, unread):
-    used = np.unique(np.concatenate([np.frombuffer(records.pos_ids, dtype=np.int32),
-                                     np.frombuffer(records.neg_ids, dtype=np.int32)]))
-    parts = [f"{fmt} format", f"{len(records):,} records", f"{len(used):,} distinct passages"]
+    distinct = getattr(records, "distinct", None) or distinct_passages(records)
+    parts = [f"{fmt} format", f"{len(records):,} records", f"{distinct:,} distinct passages"]
     if records.pos_scores is not None:
         parts.append("teacher scores kept")
     if records.prompt_ids is not None:
-        n = sum(1 for p in records.prompt_ids if p >= 0)
+        n = int(np.count_nonzero(np.frombuffer(records.prompt_ids, dtype=np.int32) >= 0))
         parts.append(f"{n:,} records with their own prompt (it replaces the query prefix for them)")
     if unread:
         parts.append("fields not read: " + ", ".join(f"{k} ({n:,})" for k, n in unread.most_common(6)))
@@ -240,6 +274,7 @@ class DataSpec:
     dev_queries: int = 0  # --dev-queries: training records held out as a retrieval dev set (hold_out_dev)
     dev_corpus_size: int = 10000
     seed: int = 0
+    data_cache: str = None  # --data-cache: where parsed files are kept and mapped (datacache.entry_path)
 
 
 class Subset:
@@ -330,20 +365,22 @@ def read_train_val(spec, world_size):
     from .dist import print0
 
     entries = training_files(spec)
-    corpus = read_corpus(spec.corpus) if spec.corpus else None
+    corpus = read_corpus(spec.corpus, spec.data_cache) if spec.corpus else None
     dev = None
     if corpus is not None:
         print0(f"corpus: {spec.corpus}: {len(corpus):,} documents")
     files, warnings = [], []
     for e in entries:
-        records, file_warnings = read_records(e["file"], spec.n_passages, corpus, spec.fill_negatives)
+        records, file_warnings = read_records(e["file"], spec.n_passages, corpus, spec.fill_negatives,
+                                              spec.data_cache)
         print0(f"train: {records.summary}")
         warnings += file_warnings
         files.append(TrainFile(records, e.get("weight"), e["name"], {k: e[k] for k in spec.prompt_keys if k in e},
                                e["file"]))
     val_records = []
     if spec.val_file:
-        val_records, val_warnings = read_records(spec.val_file, spec.val_n_passages, corpus, spec.fill_negatives)
+        val_records, val_warnings = read_records(spec.val_file, spec.val_n_passages, corpus, spec.fill_negatives,
+                                                 spec.data_cache)
         print0(f"val: {val_records.summary}")
         warnings += val_warnings
         val_records = val_records[:spec.val_max_groups or len(val_records)]
@@ -359,9 +396,10 @@ def read_train_val(spec, world_size):
         print0(said)
     quotas = mixture_quotas([steps_per_epoch(len(f.records), spec.batch_size, world_size) for f in files],
                             [f.weight for f in files])
-    corpus_digest = {"corpus_digest": file_digest(spec.corpus)} if spec.corpus else {}
+    corpus_digest = {"corpus_digest": corpus.digest or file_digest(spec.corpus)} if spec.corpus else {}
     mixture = [{"name": f.name, "file": f.path, "records": len(f.records), "weight": f.weight,
-                "batches_per_round": q, **f.prompts, "digest": file_digest(f.path), **corpus_digest}
+                "batches_per_round": q, **f.prompts, "digest": f.records.digest or file_digest(f.path),
+                **corpus_digest}
                for f, q in zip(files, quotas)]  # digests: a resume on regenerated data is refused
     if len(files) > 1:
         print0("train mixture, micro-batches per round: " + ", ".join(

@@ -16,27 +16,49 @@ import numpy as np
 
 
 class TextStore:
-    """Append-only texts: `add(text) -> id`, `store[id] -> text`."""
+    """Append-only texts: `add(text) -> id`, `store[id] -> text`. `TextStore.mapped(buf, ends)` starts
+    from texts already laid out (a data cache's mapped arrays); texts added later go after them."""
 
     def __init__(self):
+        self._base, self._base_ends, self._n0 = None, None, 0
         self._buf = bytearray()
         self._ends = array("q")
+
+    @classmethod
+    def mapped(cls, buf, ends):
+        store = cls()
+        store._base, store._base_ends, store._n0 = buf, ends, len(ends)
+        return store
 
     def add(self, text):
         self._buf += text.encode("utf-8")
         self._ends.append(len(self._buf))
-        return len(self._ends) - 1
+        return self._n0 + len(self._ends) - 1
 
     def __len__(self):
-        return len(self._ends)
+        return self._n0 + len(self._ends)
 
     def __getitem__(self, i):
+        if i < self._n0:
+            start = self._base_ends[i - 1] if i > 0 else 0
+            return self._base[start:self._base_ends[i]].tobytes().decode("utf-8")
+        i -= self._n0
         start = self._ends[i - 1] if i > 0 else 0
         return self._buf[start:self._ends[i]].decode("utf-8")
 
     def nbytes(self):
         """Bytes held: the text and its offsets."""
-        return len(self._buf) + self._ends.itemsize * len(self._ends)
+        base = 0 if self._base is None else self._base.nbytes + self._base_ends.nbytes
+        return base + len(self._buf) + self._ends.itemsize * len(self._ends)
+
+    def arrays(self, start=0):
+        """(buffer as uint8, end offsets as int64) of texts start.. (for a data cache)."""
+        if start < self._n0:
+            raise ValueError("the mapped texts of a store are in a cache already")
+        start -= self._n0
+        ends = np.frombuffer(self._ends, dtype=np.int64)[start:]
+        offset = int(self._ends[start - 1]) if start > 0 else 0
+        return np.frombuffer(self._buf, dtype=np.uint8)[offset:], ends - offset  # views: add nothing meanwhile
 
 
 def digest(text):
@@ -47,10 +69,16 @@ class DigestIndex:
     """Position of a key among `n` keys given by their digests (16 bytes each, in order): a sorted
     array and binary search; 24 bytes per key, no Python object per key."""
 
-    def __init__(self, digests):
+    def __init__(self, digests=b""):
         keys = np.frombuffer(bytes(digests), dtype="S16")
         self._order = np.argsort(keys, kind="stable")
         self._sorted = keys[self._order]
+
+    @classmethod
+    def mapped(cls, order, sorted_keys):
+        index = cls()
+        index._order, index._sorted = order, sorted_keys
+        return index
 
     def duplicates(self):
         """[(first position, later position)] of keys given twice."""
@@ -74,6 +102,22 @@ class Corpus:
     def __init__(self, path):
         self.path, self.ids, self.texts, self.lines = path, TextStore(), TextStore(), array("i")
         self._digests, self._index = bytearray(), None
+        self.digest = None  # the file's content digest, where a data cache keeps it
+
+    def to_arrays(self):
+        """{name: array} of a finished corpus, for a data cache (views: add nothing meanwhile)."""
+        (ids_buf, ids_ends), (texts_buf, texts_ends) = self.ids.arrays(), self.texts.arrays()
+        return {"ids_buf": ids_buf, "ids_ends": ids_ends, "texts_buf": texts_buf, "texts_ends": texts_ends,
+                "lines": np.frombuffer(self.lines, dtype=np.int32), "order": self._index._order,
+                "sorted": self._index._sorted}
+
+    @classmethod
+    def mapped(cls, path, arrays):
+        corpus = cls(path)
+        corpus.ids = TextStore.mapped(arrays["ids_buf"], arrays["ids_ends"])
+        corpus.texts = TextStore.mapped(arrays["texts_buf"], arrays["texts_ends"])
+        corpus.lines, corpus._index = arrays["lines"], DigestIndex.mapped(arrays["order"], arrays["sorted"])
+        return corpus
 
     def add(self, doc_id, text, line):
         self._digests += digest(doc_id)
@@ -129,6 +173,30 @@ class Records:
         self.fill = None  # "random": draw missing negatives from the first `pool` passages (records.read_records)
         self.pool = 0
         self.summary = ""  # what was read, in a line (records.read_records)
+        self.digest = None  # the file's content digest, where a data cache keeps it
+
+    ARRAYS = ("lines", "pos_ends", "pos_ids", "neg_ends", "neg_ids", "pos_scores", "neg_scores", "prompt_ids")
+
+    def to_arrays(self, passages_from=0):
+        """{name: array} of the records, their queries and the passages they added to their store
+        from id `passages_from` on, for a data cache (views: add nothing meanwhile)."""
+        out = {n: np.frombuffer(getattr(self, n), dtype=getattr(self, n).typecode)
+               for n in self.ARRAYS if getattr(self, n) is not None}
+        out["queries_buf"], out["queries_ends"] = self.queries.arrays()
+        out["passages_buf"], out["passages_ends"] = self.passages.arrays(passages_from)
+        return out
+
+    @classmethod
+    def mapped(cls, path, passages, arrays, prompts):
+        """Records over a data cache's arrays; their passages are `passages` (None: the arrays' own)."""
+        if passages is None:
+            passages = TextStore.mapped(arrays["passages_buf"], arrays["passages_ends"])
+        records = cls(path, passages)
+        records.queries = TextStore.mapped(arrays["queries_buf"], arrays["queries_ends"])
+        for n in cls.ARRAYS:
+            setattr(records, n, arrays.get(n))
+        records.prompts, records._prompt_index = list(prompts), {p: i for i, p in enumerate(prompts)}
+        return records
 
     def add(self, line, query, pos_ids, neg_ids, pos_scores=None, neg_scores=None, prompt=None):
         n = len(self.lines)
@@ -171,7 +239,7 @@ class Records:
         """Bytes held by the records and their texts."""
         arrays = [self.lines, self.pos_ends, self.pos_ids, self.neg_ends, self.neg_ids, self.pos_scores,
                   self.neg_scores, self.prompt_ids]
-        return self.passages.nbytes() + self.queries.nbytes() + sum(a.itemsize * len(a) for a in arrays if a)
+        return self.passages.nbytes() + self.queries.nbytes() + sum(a.itemsize * len(a) for a in arrays if a is not None)
 
 
 class PromptedQuery(str):
@@ -210,12 +278,12 @@ class RecordView:
     @property
     def pos_ids(self):
         a, b = self._r.span(self._r.pos_ends, self._i)
-        return self._r.pos_ids[a:b]
+        return self._r.pos_ids[a:b].tolist()
 
     @property
     def neg_ids(self):
         a, b = self._r.span(self._r.neg_ends, self._i)
-        return self._r.neg_ids[a:b]
+        return self._r.neg_ids[a:b].tolist()
 
     @property
     def pos(self):

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from retrieval_kit import cli
+from retrieval_kit import cli, datacache
 from tests.conftest import python_run, ROOT
 
 BAD_FLAGS = [  # (flag, value, what argparse must say)
@@ -296,15 +296,18 @@ def test_a_resume_refuses_changed_data_or_model_and_applies_a_changed_lr(tiny_mo
                                                                          small_train_file, tmp_path):
     data = tmp_path / "train.jsonl"
     shutil.copy(small_train_file, data)
-    ref = tmp_path / "ref"
-    args = base_args(tiny_model_dir, data, ref)[:-2]  # without --output-dir
+    ref, cache = tmp_path / "ref", tmp_path / "cache"
+    args = base_args(tiny_model_dir, data, ref)[:-2] + ["--data-cache", cache]  # without --output-dir
     done = run("train_biencoder.py", args + ["--max-steps", "4", "--warmup-steps", "1", "--output-dir", ref])
     assert done.returncode == 0, done.stderr[-3000:]
+    entry = os.path.basename(datacache.entry_path(str(data), str(cache)))
+    assert sorted(os.listdir(cache)) == [entry, entry + ".lock"]
     lines = data.read_text().splitlines(keepends=True)
     data.write_text("".join(reversed(lines)))  # regenerated: the same path, size and record count, other content
-    one_sentence(run("train_biencoder.py", args + ["--max-steps", "6", "--warmup-steps", "1", "--resume", "auto",
-                                                   "--output-dir", ref]),
-                 "was trained with other settings", "the training files", "'digest'")
+    changed = run("train_biencoder.py", args + ["--max-steps", "6", "--warmup-steps", "1", "--resume", "auto",
+                                                "--output-dir", ref])
+    one_sentence(changed, "was trained with other settings", "the training files", "'digest'")
+    assert "is stale: its source changed" in changed.stderr  # the cache was not trusted: its digest is new
     data.write_text("".join(lines))
     other = base_args(no_dropout_dir, data, ref)[:-2]
     one_sentence(run("train_biencoder.py", other + ["--max-steps", "6", "--warmup-steps", "1", "--resume", "auto",
