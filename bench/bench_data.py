@@ -6,18 +6,28 @@ of P passages referenced by id (the issue's case: 1M x 8 over 1M).
 
 Synthetic text: passages of ~60 words (MS MARCO's passages average ~56), queries of ~6 words, drawn
 from a fixed vocabulary with a seeded RNG. Writes corpus.jsonl and train.jsonl (NeMo format, docs as
-ids) once under --dir, then in a fresh process per run: imports (the baseline RSS), reads the corpus
-and the training file as train_*.py does (formats.read_corpus, records.read_records with n_passages
-9, then the corpus's id index dropped, keeping its texts), and reports seconds and RSS: the growth
-over the baseline is the data side, compared with the corpus text's size; the peak (VmHWM) is the
-high-water mark during the load. Median of --runs. The baseline, measured the same way: a dict of texts by id and records as Python
-lists of those strings (what the kit's reader held before, less the per-record copies of inline text).
+ids) once under --dir, then in a fresh process per run reads them as train_*.py does
+(records.read_train_val: every line validated, the files' digests taken, the corpus's id index
+dropped) in three ways: the data cache off; cold (the cache under --dir/cache removed first, so the
+run parses and writes it); warm (the cache mapped). Reports seconds and RSS: the growth over the
+process after its imports is the data side, compared with the corpus text's size; the peak (VmHWM)
+is the high-water mark during the load. Median of --runs.
+
+Then the sharing: 2 "ranks" (processes that each load the data) fork 2 workers each, as DataLoader
+workers are forked on Linux; all 6 read every page of the data and report their proportional set
+size (PSS: a page shared by k processes counts 1/k in each) while all are alive. The sum, less the
+same tree's without data, is the data's footprint on the node. The baseline: a dict of texts by id
+and records as Python lists of those strings (what the kit's reader held before textstore.py).
 """
 
 import argparse
+import contextlib
+import gc
+import io
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,26 +64,100 @@ def peak_mb():
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
 
 
-def one_run(out_dir, n_passages):
-    """In this (fresh) process: load as the scripts do; print one JSON line."""
+def load(out_dir, n_passages, cache):
+    """The corpus and the training file read as train_*.py reads them (records.read_train_val: every
+    line validated, the files' digests for the resume check); the corpus's id index is dropped."""
+    from retrieval_kit.records import DataSpec, read_train_val
+
+    spec = DataSpec(train_files=[os.path.join(out_dir, "train.jsonl")], corpus=os.path.join(out_dir, "corpus.jsonl"),
+                    n_passages=n_passages, data_cache=cache)
+    with contextlib.redirect_stdout(io.StringIO()):
+        files, _, _, _ = read_train_val(spec, world_size=1)
+    return files[0].records
+
+
+CACHES = {"nocache": "off", "cold": "cache", "warm": "cache"}
+
+
+def one_run(out_dir, n_passages, mode):
+    """In this (fresh) process: load as the scripts do, with the data cache off, built anew (cold) or
+    present (warm); print one JSON line."""
     import time
 
     sys.path.insert(0, ROOT)
-    from retrieval_kit import formats  # imports torch and numpy: the baseline RSS
-    from retrieval_kit.records import read_records
+    __import__("retrieval_kit.records")  # imports torch and numpy: the baseline RSS
 
+    cache = os.path.join(out_dir, "cache")
+    if mode == "cold":
+        shutil.rmtree(cache, ignore_errors=True)
     base = rss_mb()
     t0 = time.perf_counter()
-    corpus = formats.read_corpus(os.path.join(out_dir, "corpus.jsonl"))
-    t_corpus = time.perf_counter() - t0
-    records, _ = read_records(os.path.join(out_dir, "train.jsonl"), n_passages, corpus)
+    records = load(out_dir, n_passages, None if mode == "nocache" else cache)
     seconds = time.perf_counter() - t0
-    import gc
-
-    del corpus  # as in records.read_train_val: the records keep the corpus's texts, not its id index
     gc.collect()
-    print(json.dumps({"seconds": seconds, "corpus_seconds": t_corpus, "base_mb": base, "rss_mb": rss_mb(),
-                      "peak_mb": peak_mb(), "held_mb": records.nbytes() / 2**20, "records": len(records)}))
+    print(json.dumps({"seconds": seconds, "base_mb": base, "rss_mb": rss_mb(), "peak_mb": peak_mb(),
+                      "held_mb": records.nbytes() / 2**20, "records": len(records)}))
+
+
+def buffers(records):
+    """Every array and text buffer the records hold (in memory or mapped)."""
+    out = [getattr(records, n) for n in records.ARRAYS]
+    for store in (records.queries, records.passages):
+        out += [store._base, store._base_ends, store._buf, store._ends]
+    return [b for b in out if b is not None and len(b)]
+
+
+def touch(bufs):
+    """Read one byte of every page, as an epoch over all the records would."""
+    import numpy as np
+
+    return sum(int(np.frombuffer(b, dtype=np.uint8)[::4096].sum()) for b in bufs)
+
+
+def pss_mb():
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Pss:")) / 1024
+
+
+def one_tree(out_dir, n_passages, mode, ranks=2, workers=2):
+    """In this (fresh) process: `ranks` processes each load the data (mode "nocache": parsed in each;
+    "cache": mapped from the cache; "empty": nothing) and fork `workers` DataLoader-like workers; all
+    of them read every page of the data, then each reports its proportional set size while all are
+    alive. Prints one JSON line: the PSS summed over ranks and workers."""
+    import multiprocessing as mp
+
+    sys.path.insert(0, ROOT)
+    __import__("retrieval_kit.records")
+
+    ctx = mp.get_context("fork")  # as the DataLoader's workers on Linux
+    n = ranks * (1 + workers)
+    barrier, pss = ctx.Barrier(n + 1), ctx.Queue()
+
+    def report(bufs):
+        touch(bufs)
+        barrier.wait()
+        pss.put(pss_mb())
+        barrier.wait()
+
+    def rank():
+        bufs = [] if mode == "empty" else buffers(load(out_dir, n_passages, "off" if mode == "nocache" else
+                                                       os.path.join(out_dir, "cache")))
+        kids = [ctx.Process(target=report, args=(bufs,)) for _ in range(workers)]
+        for k in kids:
+            k.start()
+        report(bufs)
+        for k in kids:
+            k.join()
+
+    procs = [ctx.Process(target=rank) for _ in range(ranks)]
+    for p in procs:
+        p.start()
+    barrier.wait()
+    barrier.wait()
+    got = [pss.get() for _ in range(n)]
+    for p in procs:
+        p.join()
+    print(json.dumps({"pss_mb": sum(got), "processes": n}))
 
 
 def one_run_naive(out_dir):
@@ -97,13 +181,15 @@ def one_run_naive(out_dir):
                       "peak_mb": peak_mb(), "held_mb": float("nan"), "records": len(records)}))
 
 
-def measure(args, mode):
-    runs = []
-    for _ in range(args.runs):
+def measure(args, mode, runs=None):
+    got = []
+    for _ in range(runs or args.runs):
         out = subprocess.run([sys.executable, __file__, "--one-run", mode, "--dir", args.dir, "--negatives",
-                              str(args.negatives)], capture_output=True, text=True, check=True)
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                              str(args.negatives)], capture_output=True, text=True)
+        if out.returncode:
+            raise SystemExit(f"{mode} run failed:\n{out.stderr[-3000:]}")
+        got.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return {k: statistics.median(r[k] for r in got) for k in got[0]}
 
 
 def main():
@@ -113,10 +199,16 @@ def main():
     ap.add_argument("--passages", type=int, default=1_000_000)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/retrieval_kit_bench_data")
-    ap.add_argument("--one-run", choices=["kit", "naive"], help=argparse.SUPPRESS)
+    ap.add_argument("--skip-baseline", action="store_true", help="leave out the plain-Python baseline")
+    ap.add_argument("--one-run", choices=["nocache", "cold", "warm", "naive", "tree-empty", "tree-nocache",
+                                          "tree-cache"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one_run:
-        return one_run(args.dir, args.negatives + 1) if args.one_run == "kit" else one_run_naive(args.dir)
+        if args.one_run == "naive":
+            return one_run_naive(args.dir)
+        if args.one_run.startswith("tree-"):
+            return one_tree(args.dir, args.negatives + 1, args.one_run[5:])
+        return one_run(args.dir, args.negatives + 1, args.one_run)
     meta_path, want = os.path.join(args.dir, "meta.json"), {"queries": args.queries, "negatives": args.negatives,
                                                              "passages": args.passages}
     meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {}
@@ -127,19 +219,30 @@ def main():
         write_data(args.dir, args.queries, args.negatives, args.passages)
         meta = json.load(open(meta_path))
     text_mb = meta["text_bytes"] / 2**20
-    med, naive = measure(args, "kit"), measure(args, "naive")
     files_mb = sum(os.path.getsize(os.path.join(args.dir, f)) for f in ("corpus.jsonl", "train.jsonl")) / 2**20
     print(f"{args.queries:,} queries x ({args.negatives} negatives + 1 positive) over {args.passages:,} passages "
-          f"by id; files {files_mb:,.0f} MB, corpus text {text_mb:,.0f} MB; median of {args.runs} runs")
-    print(f"  load (corpus + training file, validated): {med['seconds']:.1f} s (corpus {med['corpus_seconds']:.1f} s)")
-    grown, peak = med["rss_mb"] - med["base_mb"], med["peak_mb"] - med["base_mb"]
-    print(f"  RSS: {med['base_mb']:,.0f} MB after imports -> {med['rss_mb']:,.0f} MB loaded (peak {med['peak_mb']:,.0f})")
-    print(f"  data side: {grown:,.0f} MB = {grown / text_mb:.2f}x the corpus text (peak {peak / text_mb:.2f}x); "
-          f"arrays and texts held: {med['held_mb']:,.0f} MB")
-    n_grown, n_peak = naive["rss_mb"] - naive["base_mb"], naive["peak_mb"] - naive["base_mb"]
-    print(f"  baseline (a dict of texts by id, records as lists of those strings; no validation): "
-          f"{naive['seconds']:.1f} s, data side {n_grown:,.0f} MB = {n_grown / text_mb:.2f}x (peak "
-          f"{n_peak / text_mb:.2f}x); the kit holds {grown / n_grown:.2f}x of it")
+          f"by id; files {files_mb:,.0f} MB, corpus text {text_mb:,.0f} MB; median of {args.runs} runs", flush=True)
+    for mode, what in (("nocache", "no cache (--data-cache off)"), ("cold", "cold: parsed, cache written"),
+                       ("warm", "warm: cache mapped")):
+        med = measure(args, mode)
+        grown, peak = med["rss_mb"] - med["base_mb"], med["peak_mb"] - med["base_mb"]
+        print(f"  load, {what}: {med['seconds']:.2f} s; data side (RSS over {med['base_mb']:,.0f} MB after imports) "
+              f"{grown:,.0f} MB = {grown / text_mb:.2f}x the corpus text (peak {peak / text_mb:.2f}x); "
+              f"arrays and texts held {med['held_mb']:,.0f} MB", flush=True)
+    cache_mb = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(args.dir, "cache"))
+                   for f in fs) / 2**20
+    print(f"  cache on disk: {cache_mb:,.0f} MB", flush=True)
+    empty = measure(args, "tree-empty", 1)["pss_mb"]
+    for mode, what in (("tree-nocache", "no cache"), ("tree-cache", "cache mapped")):
+        got = measure(args, mode, 1)["pss_mb"] - empty
+        print(f"  PSS of the data summed over 2 ranks x 2 workers each, every page read, {what}: {got:,.0f} MB = "
+              f"{got / text_mb:.2f}x the corpus text", flush=True)
+    if not args.skip_baseline:
+        naive = measure(args, "naive")
+        n_grown, n_peak = naive["rss_mb"] - naive["base_mb"], naive["peak_mb"] - naive["base_mb"]
+        print(f"  baseline (a dict of texts by id, records as lists of those strings; no validation): "
+              f"{naive['seconds']:.1f} s, data side {n_grown:,.0f} MB = {n_grown / text_mb:.2f}x (peak "
+              f"{n_peak / text_mb:.2f}x)")
 
 
 if __name__ == "__main__":

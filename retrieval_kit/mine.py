@@ -10,6 +10,8 @@ and up to `k` of the rest are kept, best first.
 
 import torch
 
+from .search import sharded_topk
+
 
 def by_score_then_id(scores, idx):
     """Each row's candidates best first, equal scores by ascending passage index: the same order
@@ -61,35 +63,56 @@ def mine_hard_negatives(q_emb, p_emb, positives, k, skip_top=0, max_score_ratio=
     return out
 
 
-def mine_sharded(q_emb, p_shard, offset, n_total, positives, k, skip_top=0, max_score_ratio=0.95, p_texts=None,
-                 depth=None, block=16384, device="cpu"):
-    """mine_hard_negatives over a corpus split over the ranks, as evaluation searches: each rank holds
-    only its shard of the passage embeddings (rows offset..offset+len of the n_total passages, from
-    encode.encode_shard) and searches it for every query (q_emb: all queries, on every rank), in blocks
-    of `block` queries; per block only each shard's top `depth` are gathered and merged (search.sharded_topk),
-    and each query's best positive score is the maximum over the shards that hold its positives.
-    The same negatives as one process with the whole corpus, in the same order (ties by passage index)."""
+def mine_sharded(q_own, q_offset, p_shard, offset, n_total, positives, k, skip_top=0, max_score_ratio=0.95,
+                 p_texts=None, depth=None, block=4096, device="cpu"):
+    """mine_hard_negatives with queries and corpus both split over the ranks, as evaluation searches:
+    each rank holds only its shard of the query embeddings (`q_own`, rows q_offset.. of all queries)
+    and of the passage embeddings (`p_shard`, rows offset.. of the n_total passages; both from
+    encode.encode_shard). In rounds, every rank's next `block` queries are all-gathered, each rank
+    searches its passage shard for all of them, and only each shard's top `depth` are gathered and
+    merged (search.sharded_topk); a query's best positive score is the maximum over the shards that
+    hold its positives. `positives`: every query's passage indices. Returns the negatives of this
+    rank's queries (a list each): the same as one process with everything, in the same order (ties
+    by passage index). Embeddings held per rank: its two shards and one round's queries."""
     import torch.distributed as tdist
 
-    from .dist import world_size
-    from .search import sharded_topk
+    from .dist import rank as get_rank, world_size
 
+    world, me = world_size(), get_rank()
     depth = min(n_total, depth or (k + skip_top + 50))
-    flat_q = torch.tensor([i for i, pos in enumerate(positives) for _ in pos], dtype=torch.long)
-    flat_p = torch.tensor([j for pos in positives for j in pos], dtype=torch.long)
-    mine = (flat_p >= offset) & (flat_p < offset + p_shard.shape[0])  # positives in this rank's shard
-    best = torch.full((len(positives),), float("-inf"))
-    scores = (q_emb[flat_q[mine]] * p_shard[flat_p[mine] - offset]).sum(-1)
-    best.scatter_reduce_(0, flat_q[mine], scores, reduce="amax")
-    if world_size() > 1:
-        best = best.to(device)
-        tdist.all_reduce(best, op=tdist.ReduceOp.MAX)
-        best = best.cpu()
+    shape = torch.tensor([q_own.shape[0], q_own.shape[1] if q_own.numel() else 0], device=device)
+    if world > 1:
+        tdist.all_reduce(shape, op=tdist.ReduceOp.MAX)
+    most, dim = (int(x) for x in shape)
     out = []
-    for s in range(0, q_emb.shape[0], block):
-        top = by_score_then_id(*sharded_topk(q_emb[s:s + block], p_shard, offset, depth, n_total, device))
-        out += filter_candidates(*top, positives[s:s + block], best[s:s + block], k, skip_top, max_score_ratio,
-                                 p_texts)
+    for start in range(0, most, block):
+        q = q_own[start:start + block]
+        sizes, firsts = [q.shape[0]], [q_offset + start]
+        if world > 1:
+            meta = [torch.empty(2, dtype=torch.long, device=device) for _ in range(world)]
+            tdist.all_gather(meta, torch.tensor([q.shape[0], q_offset + start], device=device))
+            sizes, firsts = [int(m[0]) for m in meta], [int(m[1]) for m in meta]
+            padded = torch.zeros(block, dim, device=device)
+            padded[:q.shape[0]] = q.to(device)
+            parts = [torch.empty_like(padded) for _ in range(world)]
+            tdist.all_gather(parts, padded)
+            q = torch.cat([part[:n] for part, n in zip(parts, sizes)]).cpu()
+        ids = [i for first, n in zip(firsts, sizes) for i in range(first, first + n)]
+        held = [(row, j - offset) for row, i in enumerate(ids) for j in positives[i]
+                if offset <= j < offset + p_shard.shape[0]]  # positives in this rank's shard
+        rows = torch.tensor([r for r, _ in held], dtype=torch.long)
+        cols = torch.tensor([c for _, c in held], dtype=torch.long)
+        best = torch.full((len(ids),), float("-inf"))
+        best.scatter_reduce_(0, rows, (q[rows] * p_shard[cols]).sum(-1), reduce="amax")
+        if world > 1:
+            best = best.to(device)
+            tdist.all_reduce(best, op=tdist.ReduceOp.MAX)
+            best = best.cpu()
+        top = by_score_then_id(*sharded_topk(q, p_shard, offset, depth, n_total, device))
+        a = sum(sizes[:me])
+        b = a + sizes[me]
+        out += filter_candidates(top[0][a:b], top[1][a:b], [positives[i] for i in ids[a:b]], best[a:b], k, skip_top,
+                                 max_score_ratio, p_texts)
     return out
 
 
@@ -108,7 +131,7 @@ def main(argv=None):
 
     from . import dist, flags
     from .records import read_records
-    from .encode import encode_shard, encode_sharded
+    from .encode import encode_shard
     from . import cli
     from .evaluate import biencoder_settings
     from .formats import read_corpus
@@ -131,6 +154,12 @@ def main(argv=None):
                          "(default 0.95; 0 turns the filter off)")
     ap.add_argument("--depth", type=flags.positive_int, default=200, help="candidates considered per query (default 200)")
     ap.add_argument("--batch-size", type=flags.positive_int, default=64, help="texts per encoding batch")
+    ap.add_argument("--query-block", type=flags.positive_int, default=4096,
+                    help="queries each rank sends to the search per round (default 4096): the embeddings a rank "
+                         "holds are its shard of the queries and passages plus ranks x this many queries")
+    ap.add_argument("--data-cache", default="auto", metavar="auto|off|DIR",
+                    help="where the parsed --input, --corpus and --candidates are kept and mapped, as in training "
+                         "(default auto: beside each file of 16 MiB and more)")
     cli.add_biencoder_setting_args(ap)
     args = ap.parse_args(argv)
     same = [f for f, p in (("--input", args.input), ("--corpus", args.corpus), ("--candidates", args.candidates))
@@ -143,10 +172,11 @@ def main(argv=None):
     flags.check_writable_file("--out", args.out)  # before any encoding
 
     ctx = dist.init()
-    corpus = read_corpus(args.corpus) if args.corpus else None  # docs by id in --input resolve here
-    records, _ = read_records(args.input, corpus=corpus)
+    corpus = read_corpus(args.corpus, args.data_cache) if args.corpus else None  # docs by id in --input resolve here
+    records, _ = read_records(args.input, corpus=corpus, cache=args.data_cache)
     dist.print0(records.summary)
-    pool = [c for c in (corpus, read_corpus(args.candidates) if args.candidates else None) if c is not None]
+    pool = [c for c in (corpus, read_corpus(args.candidates, args.data_cache) if args.candidates else None)
+            if c is not None]
     texts = [c.texts[i] for c in pool for i in range(len(c))]
     index = {t: i for i, t in enumerate(texts)}
     for r in records:  # positives join the candidate pool, so they can be recognised and skipped
@@ -161,13 +191,18 @@ def main(argv=None):
     prepare_embedder(tok, enc, s)  # a decoder: pad token, left padding, EOS for last pooling
     p_shard, offset = encode_shard(enc, tok, texts, s["passage_max_length"], s["passage_prefix"], args.batch_size,
                                    s["pooling"], s["normalize"], ctx.device, ctx.is_main, "corpus")  # its shard only
-    q_emb = encode_sharded(enc, tok, [r.query for r in records], s["query_max_length"], s["query_prefix"],
-                           args.batch_size, s["pooling"], s["normalize"], ctx.device, ctx.is_main, "queries")
+    q_own, q_offset = encode_shard(enc, tok, [r.query for r in records], s["query_max_length"], s["query_prefix"],
+                                   args.batch_size, s["pooling"], s["normalize"], ctx.device, ctx.is_main, "queries")
     dist.print0(f"candidates: {len(texts):,} passages, each rank encoding and searching its shard of at most "
-                f"{-(-len(texts) // ctx.world_size):,} ({ctx.world_size} rank{'s' if ctx.world_size > 1 else ''})")
-    negs = mine_sharded(q_emb, p_shard, offset, len(texts), [[index[p] for p in r.pos] for r in records], args.k,
-                        args.skip_top, args.max_score_ratio if args.max_score_ratio > 0 else None, texts, args.depth,
-                        device=ctx.device)
+                f"{-(-len(texts) // ctx.world_size):,} for its shard of the {len(records):,} queries "
+                f"({ctx.world_size} rank{'s' if ctx.world_size > 1 else ''})")
+    negs = mine_sharded(q_own, q_offset, p_shard, offset, len(texts), [[index[p] for p in r.pos] for r in records],
+                        args.k, args.skip_top, args.max_score_ratio if args.max_score_ratio > 0 else None, texts,
+                        args.depth, args.query_block, ctx.device)
+    if ctx.world_size > 1:  # rank 0 writes every rank's queries' negatives, in query order
+        parts = [None] * ctx.world_size
+        torch.distributed.all_gather_object(parts, negs)
+        negs = [n for part in parts for n in part]
     if ctx.is_main:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         kept = [(r, n) for r, n in zip(records, negs) if n]  # a query with no negative left teaches nothing

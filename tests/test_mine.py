@@ -83,13 +83,15 @@ def test_mine_refuses_to_overwrite_its_out_or_its_input(tmp_path):
 
 @pytest.mark.slow
 def test_mining_on_two_ranks_searches_shards_and_writes_the_one_rank_file(tiny_model_dir, small_beir, tmp_path):
-    """Each rank encodes and searches its own shard of the candidates; the file equals one rank's, line
-    for line (batches of one text, so both worlds embed every text bitwise alike), with the false-negative
-    filter on, whose best positive score may come from the other rank's shard."""
+    """Each rank encodes its own shards of the queries and the candidates and searches its candidates for
+    every rank's queries, 2 per rank a round (9 queries: 5 and 4, so the last round has none from rank 1);
+    the file equals one rank's, line for line (batches of one text, so both worlds embed every text
+    bitwise alike), with the false-negative filter on, whose best positive score may come from the
+    other rank's shard."""
     src = tmp_path / "in.jsonl"
     src.write_text("".join(line for line in open(os.path.join(ROOT, "data", "val.jsonl")).readlines()[:9]))
     args = ["--input", src, "--candidates", os.path.join(small_beir, "corpus.jsonl"), "--model", tiny_model_dir,
-            "--k", 5, "--max-score-ratio", 1, "--depth", 30, "--batch-size", 1]
+            "--k", 5, "--max-score-ratio", 1, "--depth", 30, "--batch-size", 1, "--query-block", 2]
     one = run_module(["-m", "retrieval_kit.mine", *args, "--out", tmp_path / "one.jsonl"])
     two = run_module(["-m", "retrieval_kit.mine", *args, "--out", tmp_path / "two.jsonl"], nproc=2)
     assert "(1 rank)" in one.stdout and "(2 ranks)" in two.stdout, two.stdout
