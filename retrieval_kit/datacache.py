@@ -85,17 +85,21 @@ def write(entry, arrays, info, key):
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     meta = {"version": VERSION, "key": key, "info": info, "arrays": {}}
-    for name, a in arrays.items():
-        a = np.ascontiguousarray(a).reshape(-1)
-        with open(os.path.join(tmp, name), "wb") as f:
-            f.write(memoryview(a).cast("B"))
+    try:
+        for name, a in arrays.items():
+            a = np.ascontiguousarray(a).reshape(-1)
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(memoryview(a.view(np.uint8)))
+                f.flush()
+                os.fsync(f.fileno())
+            meta["arrays"][name] = {"dtype": a.dtype.str, "length": int(a.size), "digest": _sample_digest(a)}
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f)
             f.flush()
             os.fsync(f.fileno())
-        meta["arrays"][name] = {"dtype": a.dtype.str, "length": int(a.size), "digest": _sample_digest(a)}
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f)
-        f.flush()
-        os.fsync(f.fileno())
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk keeps no half entry
+        raise
     old = f"{entry}.old{os.getpid()}"
     if os.path.exists(entry):
         os.rename(entry, old)  # a run still mapping the old entry keeps its pages
@@ -155,7 +159,7 @@ def cached(path, where, key, build, what):
     state): state is "hit", "built" or None (no cache: `where` is off, the source is small for
     "auto", or the entry cannot be written - said in a warning; the built arrays are returned).
     `what` names the source in warnings."""
-    entry = entry_path(path, where)
+    entry = entry_path(path, where) if os.path.isfile(path) else None  # (a missing file: the parser says so)
     if entry is None:
         return (*build(), None)
     key, built = {"source": fingerprint(path), **key}, None

@@ -217,3 +217,24 @@ def test_dataloader_workers_read_the_mapped_records(tmp_path):
     loader = torch.utils.data.DataLoader(_Views(records), batch_size=None, num_workers=2, collate_fn=_as_is)
     plain, _ = read_records(by_id, 3, formats.read_corpus(corpus))
     assert list(loader) == [(r.query, list(r.pos), list(r.neg)) for r in plain]
+
+
+def test_a_full_disk_while_writing_keeps_no_half_entry(tmp_path, capsys, monkeypatch):
+    import errno
+
+    _, _, inline = write_data(tmp_path / "data")
+    cache = str(tmp_path / "cache")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(datacache.os, "fsync", full)
+    assert view(read_records(inline, 3, cache=cache)[0]) == view(read_records(inline, 3)[0])
+    assert "No space left on device" in capsys.readouterr().err
+    assert sorted(os.listdir(cache)) == [os.path.basename(datacache.entry_path(inline, cache)) + ".lock"]
+
+
+def test_a_missing_file_is_the_parsers_message(tmp_path):
+    with pytest.raises(formats.DataError, match="no_such.jsonl"):
+        read_records(str(tmp_path / "no_such.jsonl"), 3, cache=str(tmp_path / "cache"))
+    with pytest.raises(formats.DataError, match="no_corpus.jsonl"):
+        formats.read_corpus(str(tmp_path / "no_corpus.jsonl"), "auto")
