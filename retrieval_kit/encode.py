@@ -95,6 +95,41 @@ def encode_shard(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
     return mine[:len(own)], min(rank * per, len(texts))
 
 
+def encode_blocks(model, tokenizer, texts, max_length, prefix, batch_size, pooling, normalize, device, parts, name,
+                  block_size, progress=False):
+    """Embed `texts` in blocks of `block_size`, block b on rank b % world, each saved to
+    `parts`/NAME_b.pt as soon as it is done (a temporary file renamed, its checksum written beside
+    it), so a run killed and started again skips the blocks already written, on any number of ranks.
+    Returns this rank's blocks (b % world == rank, encoded now or read back) as ((n_own, H) float32,
+    their indices into `texts`). The model must not be sharded (each rank runs its own forwards)."""
+    import os
+
+    from .dist import rank as get_rank, world_size
+    from .score import block_done, block_sum
+
+    world, me = world_size(), get_rank()
+    blocks = range(me, -(-len(texts) // block_size), world)
+    embs, ids = [], []
+    for b in tqdm(blocks, desc=f"{name} blocks", unit="block", disable=not progress):
+        path = os.path.join(parts, f"{name}_{b:06d}.pt")
+        rows = range(b * block_size, min(len(texts), (b + 1) * block_size))
+        if block_done(path):
+            emb = torch.load(path, weights_only=True)
+        else:
+            emb = encode_texts(model, tokenizer, [texts[i] for i in rows], max_length, prefix, batch_size, pooling,
+                               normalize, device)
+            torch.save(emb, path + ".tmp")
+            os.replace(path + ".tmp", path)
+            with open(path + ".sha256.tmp", "w") as f:
+                f.write(block_sum(path))
+            os.replace(path + ".sha256.tmp", path + ".sha256")
+        embs.append(emb)
+        ids.append(torch.arange(rows.start, rows.stop))
+    if not embs:
+        return torch.empty(0, 0), torch.empty(0, dtype=torch.long)
+    return torch.cat(embs), torch.cat(ids)
+
+
 def encode_sharded(model, tokenizer, texts, max_length, prefix="", batch_size=64, pooling="avg", normalize=True,
                    device="cpu", progress=False, desc="encode"):
     """encode_texts split over the ranks of the process group, gathered back in order on every rank."""

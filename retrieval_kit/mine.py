@@ -63,56 +63,63 @@ def mine_hard_negatives(q_emb, p_emb, positives, k, skip_top=0, max_score_ratio=
     return out
 
 
-def mine_sharded(q_own, q_offset, p_shard, offset, n_total, positives, k, skip_top=0, max_score_ratio=0.95,
+def mine_sharded(q_own, q_ids, p_shard, p_ids, n_total, positives, k, skip_top=0, max_score_ratio=0.95,
                  p_texts=None, depth=None, block=4096, device="cpu"):
     """mine_hard_negatives with queries and corpus both split over the ranks, as evaluation searches:
-    each rank holds only its shard of the query embeddings (`q_own`, rows q_offset.. of all queries)
-    and of the passage embeddings (`p_shard`, rows offset.. of the n_total passages; both from
-    encode.encode_shard). In rounds, every rank's next `block` queries are all-gathered, each rank
-    searches its passage shard for all of them, and only each shard's top `depth` are gathered and
-    merged (search.sharded_topk); a query's best positive score is the maximum over the shards that
-    hold its positives. `positives`: every query's passage indices. Returns the negatives of this
-    rank's queries (a list each): the same as one process with everything, in the same order (ties
-    by passage index). Embeddings held per rank: its two shards and one round's queries."""
+    each rank holds only its share of the query embeddings (`q_own`, the queries numbered `q_ids`)
+    and of the passage embeddings (`p_shard`, the passages numbered `p_ids` of the n_total; both
+    from encode.encode_blocks or encode_shard). In rounds, every rank's next `block` queries are
+    all-gathered, each rank searches its passages for all of them, and only each rank's top `depth`
+    are gathered and merged (search.sharded_topk); a query's best positive score is the maximum over
+    the ranks that hold its positives. `positives`: every query's passage indices. Returns the
+    negatives of this rank's queries (a list each, in q_ids order): the same as one process with
+    everything, in the same order (ties by passage index). Embeddings held per rank: its two shares
+    and one round's queries."""
     import torch.distributed as tdist
 
     from .dist import rank as get_rank, world_size
 
     world, me = world_size(), get_rank()
     depth = min(n_total, depth or (k + skip_top + 50))
+    local = torch.full((n_total,), -1, dtype=torch.long)  # passage index -> its row here (-1: another rank's)
+    local[p_ids] = torch.arange(len(p_ids))
     shape = torch.tensor([q_own.shape[0], q_own.shape[1] if q_own.numel() else 0], device=device)
     if world > 1:
         tdist.all_reduce(shape, op=tdist.ReduceOp.MAX)
     most, dim = (int(x) for x in shape)
     out = []
     for start in range(0, most, block):
-        q = q_own[start:start + block]
-        sizes, firsts = [q.shape[0]], [q_offset + start]
+        q, ids = q_own[start:start + block], q_ids[start:start + block]
+        sizes = [q.shape[0]]
         if world > 1:
-            meta = [torch.empty(2, dtype=torch.long, device=device) for _ in range(world)]
-            tdist.all_gather(meta, torch.tensor([q.shape[0], q_offset + start], device=device))
-            sizes, firsts = [int(m[0]) for m in meta], [int(m[1]) for m in meta]
             padded = torch.zeros(block, dim, device=device)
-            padded[:q.shape[0]] = q.to(device)
+            if q.shape[0]:  # (a rank without queries holds a (0, 0) tensor)
+                padded[:q.shape[0]] = q.to(device)
+            numbers = torch.full((block,), -1, dtype=torch.long, device=device)  # -1: no query in that row
+            numbers[:q.shape[0]] = ids.to(device)
             parts = [torch.empty_like(padded) for _ in range(world)]
             tdist.all_gather(parts, padded)
+            all_ids = [torch.empty_like(numbers) for _ in range(world)]
+            tdist.all_gather(all_ids, numbers)
+            sizes = [int((n >= 0).sum()) for n in all_ids]
             q = torch.cat([part[:n] for part, n in zip(parts, sizes)]).cpu()
-        ids = [i for first, n in zip(firsts, sizes) for i in range(first, first + n)]
-        held = [(row, j - offset) for row, i in enumerate(ids) for j in positives[i]
-                if offset <= j < offset + p_shard.shape[0]]  # positives in this rank's shard
-        rows = torch.tensor([r for r, _ in held], dtype=torch.long)
-        cols = torch.tensor([c for _, c in held], dtype=torch.long)
+            ids = torch.cat([n[:size] for n, size in zip(all_ids, sizes)]).cpu()
+        flat = [(row, j) for row, i in enumerate(ids.tolist()) for j in positives[i]]
+        rows = torch.tensor([r for r, _ in flat], dtype=torch.long)
+        cols = local[torch.tensor([j for _, j in flat], dtype=torch.long)]
+        here = cols >= 0  # positives held by this rank
         best = torch.full((len(ids),), float("-inf"))
-        best.scatter_reduce_(0, rows, (q[rows] * p_shard[cols]).sum(-1), reduce="amax")
+        if here.any():
+            best.scatter_reduce_(0, rows[here], (q[rows[here]] * p_shard[cols[here]]).sum(-1), reduce="amax")
         if world > 1:
             best = best.to(device)
             tdist.all_reduce(best, op=tdist.ReduceOp.MAX)
             best = best.cpu()
-        top = by_score_then_id(*sharded_topk(q, p_shard, offset, depth, n_total, device))
+        top = by_score_then_id(*sharded_topk(q, p_shard, p_ids, depth, n_total, device))
         a = sum(sizes[:me])
         b = a + sizes[me]
-        out += filter_candidates(top[0][a:b], top[1][a:b], [positives[i] for i in ids[a:b]], best[a:b], k, skip_top,
-                                 max_score_ratio, p_texts)
+        out += filter_candidates(top[0][a:b], top[1][a:b], [positives[i] for i in ids[a:b].tolist()], best[a:b], k,
+                                 skip_top, max_score_ratio, p_texts)
     return out
 
 
@@ -124,17 +131,25 @@ def main(argv=None):
 
     --input: JSONL with `query` and `pos_doc` (the training format; existing `neg_doc` is replaced).
     --corpus: BEIR corpus.jsonl of candidates (default: the positives of --input themselves).
+
+    Under torchrun each rank encodes its blocks of the passages and of the queries (--block-size
+    texts; block b on rank b % world) and searches its passages for every rank's queries. Each block's
+    embeddings are saved in OUT.parts when done: a run killed and started again with the same command,
+    on any number of ranks, encodes only the blocks not yet saved (another input, model or settings
+    is refused, naming what differs). OUT.parts is removed once OUT is written.
     """
     import argparse
     import json
     import os
+    import shutil
 
     from . import dist, flags
     from .records import read_records
-    from .encode import encode_shard
+    from .encode import encode_blocks
+    from .score import check_parts, model_digest
     from . import cli
     from .evaluate import biencoder_settings
-    from .formats import read_corpus
+    from .formats import file_digest, read_corpus
     from .models import default_model_dir, load_encoder, load_tokenizer, prepare_embedder
 
     ap = cli.KitParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,6 +169,10 @@ def main(argv=None):
                          "(default 0.95; 0 turns the filter off)")
     ap.add_argument("--depth", type=flags.positive_int, default=200, help="candidates considered per query (default 200)")
     ap.add_argument("--batch-size", type=flags.positive_int, default=64, help="texts per encoding batch")
+    ap.add_argument("--block-size", type=flags.positive_int, default=8192,
+                    help="texts per encoding block: the unit of sharding over ranks and of resuming; each block's "
+                         "embeddings are saved in OUT.parts as soon as they are done, and a run killed and started "
+                         "again with the same command (on any number of ranks) skips them (default 8192)")
     ap.add_argument("--query-block", type=flags.positive_int, default=4096,
                     help="queries each rank sends to the search per round (default 4096): the embeddings a rank "
                          "holds are its shard of the queries and passages plus ranks x this many queries")
@@ -175,8 +194,8 @@ def main(argv=None):
     corpus = read_corpus(args.corpus, args.data_cache) if args.corpus else None  # docs by id in --input resolve here
     records, _ = read_records(args.input, corpus=corpus, cache=args.data_cache)
     dist.print0(records.summary)
-    pool = [c for c in (corpus, read_corpus(args.candidates, args.data_cache) if args.candidates else None)
-            if c is not None]
+    cand = read_corpus(args.candidates, args.data_cache) if args.candidates else None
+    pool = [c for c in (corpus, cand) if c is not None]
     texts = [c.texts[i] for c in pool for i in range(len(c))]
     index = {t: i for i, t in enumerate(texts)}
     for r in records:  # positives join the candidate pool, so they can be recognised and skipped
@@ -189,20 +208,36 @@ def main(argv=None):
     tok = load_tokenizer(model_dir)
     enc = load_encoder(model_dir).to(ctx.device)
     prepare_embedder(tok, enc, s)  # a decoder: pad token, left padding, EOS for last pooling
-    p_shard, offset = encode_shard(enc, tok, texts, s["passage_max_length"], s["passage_prefix"], args.batch_size,
-                                   s["pooling"], s["normalize"], ctx.device, ctx.is_main, "corpus")  # its shard only
-    q_own, q_offset = encode_shard(enc, tok, [r.query for r in records], s["query_max_length"], s["query_prefix"],
-                                   args.batch_size, s["pooling"], s["normalize"], ctx.device, ctx.is_main, "queries")
-    dist.print0(f"candidates: {len(texts):,} passages, each rank encoding and searching its shard of at most "
-                f"{-(-len(texts) // ctx.world_size):,} for its shard of the {len(records):,} queries "
-                f"({ctx.world_size} rank{'s' if ctx.world_size > 1 else ''})")
-    negs = mine_sharded(q_own, q_offset, p_shard, offset, len(texts), [[index[p] for p in r.pos] for r in records],
+    parts = args.out + ".parts"
+    manifest = {"input": os.path.abspath(args.input), "input_digest": records.digest or file_digest(args.input),
+                **{f"{k}_digest": c.digest or file_digest(c.path) for k, c in (("corpus", corpus), ("candidates", cand))
+                   if c is not None}, "model": os.path.abspath(model_dir), "model_digest": model_digest(model_dir),
+                "settings": {k: s[k] for k in sorted(s)}, "passages": len(texts), "queries": len(records),
+                "block_size": args.block_size, "batch_size": args.batch_size}  # the batch changes the padding
+    manifest = json.loads(json.dumps(manifest))  # as it reads back
+    if ctx.is_main:
+        check_parts(parts, manifest)
+    dist.barrier()
+    with flags.writing(args.out, then=f"the blocks encoded so far are kept in {parts}: free space, then run the "
+                                      "same command again"):
+        p_shard, p_ids = encode_blocks(enc, tok, texts, s["passage_max_length"], s["passage_prefix"], args.batch_size,
+                                       s["pooling"], s["normalize"], ctx.device, parts, "passages", args.block_size,
+                                       ctx.is_main)
+        q_own, q_ids = encode_blocks(enc, tok, [r.query for r in records], s["query_max_length"], s["query_prefix"],
+                                     args.batch_size, s["pooling"], s["normalize"], ctx.device, parts, "queries",
+                                     args.block_size, ctx.is_main)
+    dist.print0(f"candidates: {len(texts):,} passages, each rank encoding and searching its blocks of them for "
+                f"its blocks of the {len(records):,} queries ({ctx.world_size} rank{'s' if ctx.world_size > 1 else ''}"
+                f"; blocks of {args.block_size:,} in {parts}, kept until the file is written)")
+    negs = mine_sharded(q_own, q_ids, p_shard, p_ids, len(texts), [[index[p] for p in r.pos] for r in records],
                         args.k, args.skip_top, args.max_score_ratio if args.max_score_ratio > 0 else None, texts,
                         args.depth, args.query_block, ctx.device)
+    negs = list(zip(q_ids.tolist(), negs))
     if ctx.world_size > 1:  # rank 0 writes every rank's queries' negatives, in query order
-        parts = [None] * ctx.world_size
-        torch.distributed.all_gather_object(parts, negs)
-        negs = [n for part in parts for n in part]
+        got = [None] * ctx.world_size
+        torch.distributed.all_gather_object(got, negs)
+        negs = [pair for part in got for pair in part]
+    negs = [n for _, n in sorted(negs)]
     if ctx.is_main:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         kept = [(r, n) for r, n in zip(records, negs) if n]  # a query with no negative left teaches nothing
@@ -212,6 +247,7 @@ def main(argv=None):
                 f.write(json.dumps({"query": r.query, "pos_doc": list(r.pos), "neg_doc": [texts[j] for j in n]},
                                    ensure_ascii=False) + "\n")
         os.replace(args.out + ".tmp", args.out)
+        shutil.rmtree(parts)
         short = sum(len(n) < args.k for _, n in kept)
         print(f"wrote {len(kept)} records to {args.out} ({short} with fewer than {args.k} negatives; "
               f"{len(records) - len(kept)} left out: no candidate passed the filters)")

@@ -122,9 +122,8 @@ def block_sum(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def block_done(parts, b):
-    """Is block b written whole? Its file must match the checksum written beside it (else it is redone)."""
-    path = block_path(parts, b)
+def block_done(path):
+    """Is the block at `path` written whole? It must match the checksum written beside it (else it is redone)."""
     try:
         with open(path + ".sha256") as f:
             return f.read().strip() == block_sum(path)
@@ -141,7 +140,7 @@ def check_parts(parts, manifest):
             saved = json.load(f)
         if saved != manifest:
             diffs = ", ".join(f"{k}: {saved.get(k)!r} then, {v!r} now" for k, v in manifest.items() if saved.get(k) != v)
-            raise SystemExit(f"{parts} holds the blocks of another scoring run ({diffs}): run that command again to "
+            raise SystemExit(f"{parts} holds the blocks of another run ({diffs}): run that command again to "
                              "finish it, or delete the folder")
         return
     os.makedirs(parts, exist_ok=True)
@@ -191,7 +190,7 @@ def main(argv=None):
         check_parts(parts, manifest)
     dist.barrier()
     n_blocks = -(-len(records) // args.block_size)
-    mine = [b for b in range(ctx.rank, n_blocks, ctx.world_size) if not block_done(parts, b)]
+    mine = [b for b in range(ctx.rank, n_blocks, ctx.world_size) if not block_done(block_path(parts, b))]
     redone = [b for b in mine if os.path.exists(block_path(parts, b))]
     if redone:
         print(f"warning: {parts}: block(s) {redone} do not match their checksums: scoring them again", flush=True)

@@ -29,7 +29,8 @@ def exact_topk(q_emb, p_emb, k, query_chunk=256, corpus_chunk=8192):
 
 def sharded_topk(q_emb, p_shard, offset, k, n_total, device="cpu"):
     """Exact top-k by inner product over a corpus split over the ranks: each rank searches its own
-    shard (`p_shard`, rows offset..offset+len of the corpus) on `device`, then the (Q, k) candidates
+    shard (`p_shard`: rows offset..offset+len of the corpus, or, with `offset` a LongTensor, the rows
+    it lists) on `device`, then the (Q, k) candidates
     of every rank are all-gathered and merged. No rank holds more than its shard of the corpus;
     the result is exact_topk's over the whole corpus (up to the order of tied scores). Returns
     (scores, indices into the whole corpus), (Q, min(k, n_total)), best first, on the CPU."""
@@ -41,7 +42,7 @@ def sharded_topk(q_emb, p_shard, offset, k, n_total, device="cpu"):
     else:
         s = torch.empty((q.shape[0], 0), device=device)
         i = torch.empty((q.shape[0], 0), dtype=torch.long, device=device)
-    i = i + offset
+    i = i + offset if isinstance(offset, int) else offset.to(i.device)[i]
     from .dist import world_size
 
     world = world_size()

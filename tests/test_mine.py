@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -81,20 +83,50 @@ def test_mine_refuses_to_overwrite_its_out_or_its_input(tmp_path):
     assert old.read_text() == "keep me\n" and src.read_text().startswith("{")
 
 
+KILLED_AFTER_TWO_BLOCKS = """
+import os, signal, sys
+from retrieval_kit import encode, mine
+real, calls = encode.encode_texts, []
+def killing(*a, **k):
+    calls.append(1)
+    if len(calls) == 3:  # two blocks of passages saved, the third being encoded
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*a, **k)
+encode.encode_texts = killing
+mine.main(sys.argv[1:])
+"""
+
+
 @pytest.mark.slow
-def test_mining_on_two_ranks_searches_shards_and_writes_the_one_rank_file(tiny_model_dir, small_beir, tmp_path):
-    """Each rank encodes its own shards of the queries and the candidates and searches its candidates for
-    every rank's queries, 2 per rank a round (9 queries: 5 and 4, so the last round has none from rank 1);
-    the file equals one rank's, line for line (batches of one text, so both worlds embed every text
-    bitwise alike), with the false-negative filter on, whose best positive score may come from the
-    other rank's shard."""
+def test_mining_killed_then_resumed_on_two_ranks_writes_the_one_rank_file(tiny_model_dir, small_beir, tmp_path):
+    """A one-rank run killed after 2 of its blocks, resumed on 2 ranks: each rank reads or encodes its
+    blocks of the queries and the candidates and searches its candidates for every rank's queries, 2 per
+    rank a round (9 queries in blocks of 4: rank 0 holds blocks 0 and 2, 5 queries, rank 1 block 1, 4
+    queries, so the last round has none from rank 1); the file
+    equals a one-rank run's in one go, line for line (batches of one text, so both worlds embed every
+    text bitwise alike), with the false-negative filter on, whose best positive score may come from the
+    other rank's candidates. A resume with other settings is refused."""
     src = tmp_path / "in.jsonl"
     src.write_text("".join(line for line in open(os.path.join(ROOT, "data", "val.jsonl")).readlines()[:9]))
     args = ["--input", src, "--candidates", os.path.join(small_beir, "corpus.jsonl"), "--model", tiny_model_dir,
-            "--k", 5, "--max-score-ratio", 1, "--depth", 30, "--batch-size", 1, "--query-block", 2]
+            "--k", 5, "--max-score-ratio", 1, "--depth", 30, "--batch-size", 1, "--query-block", 2,
+            "--block-size", 4]
     one = run_module(["-m", "retrieval_kit.mine", *args, "--out", tmp_path / "one.jsonl"])
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_TWO_BLOCKS, *map(str, args), "--out",
+                             str(tmp_path / "two.jsonl")], cwd=ROOT, capture_output=True, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    parts = tmp_path / "two.jsonl.parts"
+    assert sorted(p.name for p in parts.glob("*.pt")) == ["passages_000000.pt", "passages_000001.pt"]
+    other = python_run(["-m", "retrieval_kit.mine", *args[:-1], 8, "--out", tmp_path / "two.jsonl"])
+    assert other.returncode == 1 and "block_size: 4 then, 8 now" in other.stderr, other.stderr[-2000:]
     two = run_module(["-m", "retrieval_kit.mine", *args, "--out", tmp_path / "two.jsonl"], nproc=2)
-    assert "(1 rank)" in one.stdout and "(2 ranks)" in two.stdout, two.stdout
+    assert "(1 rank" in one.stdout and "(2 ranks" in two.stdout, two.stdout
     assert read_jsonl(tmp_path / "two.jsonl") == read_jsonl(tmp_path / "one.jsonl")
+    assert not parts.exists() and not (tmp_path / "one.jsonl.parts").exists()
+    # blocks of 16: all 9 queries on rank 0, rank 1 searches its passages for them (batches of one text:
+    # the block size changes no embedding)
+    run_module(["-m", "retrieval_kit.mine", *args[:-1], 16, "--out", tmp_path / "three.jsonl"], nproc=2)
+    assert read_jsonl(tmp_path / "three.jsonl") == read_jsonl(tmp_path / "one.jsonl")
     rows = read_jsonl(tmp_path / "one.jsonl")
     assert 5 <= len(rows) < 9 or any(len(r["neg_doc"]) < 5 for r in rows)  # records kept, and the filter at work
