@@ -105,7 +105,7 @@ def encode_blocks(model, tokenizer, texts, max_length, prefix, batch_size, pooli
     import os
 
     from .dist import rank as get_rank, world_size
-    from .score import block_done, block_sum
+    from .score import block_done, save_block
 
     world, me = world_size(), get_rank()
     blocks = range(me, -(-len(texts) // block_size), world)
@@ -118,11 +118,7 @@ def encode_blocks(model, tokenizer, texts, max_length, prefix, batch_size, pooli
         else:
             emb = encode_texts(model, tokenizer, [texts[i] for i in rows], max_length, prefix, batch_size, pooling,
                                normalize, device)
-            torch.save(emb, path + ".tmp")
-            os.replace(path + ".tmp", path)
-            with open(path + ".sha256.tmp", "w") as f:
-                f.write(block_sum(path))
-            os.replace(path + ".sha256.tmp", path + ".sha256")
+            save_block(path, lambda tmp: torch.save(emb, tmp))
         embs.append(emb)
         ids.append(torch.arange(rows.start, rows.stop))
     if not embs:

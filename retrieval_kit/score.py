@@ -122,6 +122,20 @@ def block_sum(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
+def write_text(path, text):
+    with open(path, "w", encoding="utf-8") as f:  # closed here: a full disk raises here, not in a finalizer
+        f.write(text)
+
+
+def save_block(path, write):
+    """Write a block whole: `write(tmp_path)`, renamed to `path`, then its checksum beside it (block_done)."""
+    write(path + ".tmp")
+    os.replace(path + ".tmp", path)
+    with open(path + ".sha256.tmp", "w") as f:
+        f.write(block_sum(path))
+    os.replace(path + ".sha256.tmp", path + ".sha256")
+
+
 def block_done(path):
     """Is the block at `path` written whole? It must match the checksum written beside it (else it is redone)."""
     try:
@@ -199,12 +213,7 @@ def main(argv=None):
         for b in tqdm(mine, desc=f"score ({scorer.kind})", unit="block", disable=not ctx.is_main):
             text = score_block(scorer, [records[i] for i in range(b * args.block_size,
                                                                     min(len(records), (b + 1) * args.block_size))])
-            with open(block_path(parts, b) + ".tmp", "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(block_path(parts, b) + ".tmp", block_path(parts, b))
-            with open(block_path(parts, b) + ".sha256.tmp", "w") as f:
-                f.write(block_sum(block_path(parts, b)))
-            os.replace(block_path(parts, b) + ".sha256.tmp", block_path(parts, b) + ".sha256")
+            save_block(block_path(parts, b), lambda tmp: write_text(tmp, text))
         dist.barrier()
         if ctx.is_main:
             with open(args.out + ".partial", "w", encoding="utf-8") as out:
