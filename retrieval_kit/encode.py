@@ -5,6 +5,8 @@ Sorting by length means each batch pads only to its own longest text, so little 
 padding; the embedding of a text depends only on its own tokens, so the result is the same.
 """
 
+import os
+
 import torch
 from tqdm import tqdm
 
@@ -95,6 +97,36 @@ def encode_shard(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
     return mine[:len(own)], min(rank * per, len(texts))
 
 
+def block_sum(path):
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def write_text(path, text):
+    with open(path, "w", encoding="utf-8") as f:  # closed here: a full disk raises here, not in a finalizer
+        f.write(text)
+
+
+def save_block(path, write):
+    """Write a block whole: `write(tmp_path)`, renamed to `path`, then its checksum beside it (block_done)."""
+    write(path + ".tmp")
+    os.replace(path + ".tmp", path)
+    with open(path + ".sha256.tmp", "w") as f:
+        f.write(block_sum(path))
+    os.replace(path + ".sha256.tmp", path + ".sha256")
+
+
+def block_done(path):
+    """Is the block at `path` written whole? It must match the checksum written beside it (else it is redone)."""
+    try:
+        with open(path + ".sha256") as f:
+            return f.read().strip() == block_sum(path)
+    except OSError:
+        return False
+
+
 def encode_blocks(model, tokenizer, texts, max_length, prefix, batch_size, pooling, normalize, device, parts, name,
                   block_size, progress=False):
     """Embed `texts` in blocks of `block_size`, block b on rank b % world, each saved to
@@ -105,7 +137,6 @@ def encode_blocks(model, tokenizer, texts, max_length, prefix, batch_size, pooli
     import os
 
     from .dist import rank as get_rank, world_size
-    from .score import block_done, save_block
 
     world, me = world_size(), get_rank()
     blocks = range(me, -(-len(texts) // block_size), world)

@@ -67,6 +67,8 @@ def parse_records_cached(path, corpus, cache):
     carry their file's content digest (`records.digest`) and distinct passage count."""
     from . import datacache
 
+    if cache in (None, "off"):
+        return parse_records(path, corpus)
     n0 = len(corpus.texts) if corpus is not None else 0  # inline texts of the file go after the corpus's
     key = {"what": "records", "corpus": datacache.fingerprint(corpus.path) if corpus is not None else None,
            "corpus_texts": n0}

@@ -115,36 +115,6 @@ def model_digest(model_dir):
     return h.hexdigest()
 
 
-def block_sum(path):
-    import hashlib
-
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
-def write_text(path, text):
-    with open(path, "w", encoding="utf-8") as f:  # closed here: a full disk raises here, not in a finalizer
-        f.write(text)
-
-
-def save_block(path, write):
-    """Write a block whole: `write(tmp_path)`, renamed to `path`, then its checksum beside it (block_done)."""
-    write(path + ".tmp")
-    os.replace(path + ".tmp", path)
-    with open(path + ".sha256.tmp", "w") as f:
-        f.write(block_sum(path))
-    os.replace(path + ".sha256.tmp", path + ".sha256")
-
-
-def block_done(path):
-    """Is the block at `path` written whole? It must match the checksum written beside it (else it is redone)."""
-    try:
-        with open(path + ".sha256") as f:
-            return f.read().strip() == block_sum(path)
-    except OSError:
-        return False
-
-
 def check_parts(parts, manifest):
     """Start or continue OUT.parts: a manifest from another run (other input or its content, model or
     its files, corpus, batch or block size) is refused, naming what differs."""
@@ -168,6 +138,7 @@ def block_path(parts, b):
 
 
 def main(argv=None):
+    from .encode import block_done, save_block, write_text
     from .records import read_records
     from .formats import read_corpus
 

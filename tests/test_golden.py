@@ -13,10 +13,10 @@ import torch
 from tests.golden import (check, compare, comparison, CONFIGS, describe, fingerprint, load_recordings, run_config,
                           TOLERANCE)
 
-# the batches of DataLoader workers are checked where they matter: one process, two ranks (each with
-# its own workers) and a resume (the workers start from the resumed position); the other modes change
-# the step, not the data, and run with the batches built in the process only
-WORKER_MODES = ("plain", "ddp2", "sigkill_resume")
+# the batches of DataLoader workers are checked where the data's path differs: one process, and a
+# resume (the workers start from the resumed position); the other modes change the step or the rank
+# split (StepBatches, the same code with or without workers) and build the batches in the process
+WORKER_MODES = ("plain", "sigkill_resume")
 RUNS = [(name, w) for name in CONFIGS for w in (0, 2) if w == 0 or name.split("/")[1] in WORKER_MODES]
 
 
