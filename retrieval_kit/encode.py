@@ -134,8 +134,6 @@ def encode_blocks(model, tokenizer, texts, max_length, prefix, batch_size, pooli
     it), so a run killed and started again skips the blocks already written, on any number of ranks.
     Returns this rank's blocks (b % world == rank, encoded now or read back) as ((n_own, H) float32,
     their indices into `texts`). The model must not be sharded (each rank runs its own forwards)."""
-    import os
-
     from .dist import rank as get_rank, world_size
 
     world, me = world_size(), get_rank()
