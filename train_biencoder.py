@@ -12,7 +12,7 @@ checkpoints and final/ (an exported model dir).
 import functools
 import os
 
-from retrieval_kit import ckpt, cli, data, dist, evaluate, log, loop, lora, optim, plan, precision, records
+from retrieval_kit import ckpt, cli, data, dist, dropout, evaluate, log, loop, lora, optim, plan, precision, records
 from retrieval_kit.collate import biencoder_inputs
 from retrieval_kit.export import export_model, model_card
 from retrieval_kit.formats import exit_on_data_error
@@ -46,7 +46,7 @@ def main():
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
     encoder, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
         functools.partial(load_encoder, model_dir, storage_dtype, args.trust_remote_code, args.attn_implementation,
-                          attention_dropout=args.attention_dropout), args.parallel == "fsdp2", ctx)
+                          **cli.load_settings(args)), args.parallel == "fsdp2", ctx)
     dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights, embedding_size(encoder))
     settings = evaluate.biencoder_settings(model_dir, cli.setting_overrides(args))  # says what the dir set
     settings.update(prepare_embedder(tokenizer, encoder, settings, args.append_eos, args.bidirectional,
@@ -100,8 +100,9 @@ def main():
                        memory_plan=plan.memory_plan(encoder, ctx.world_size, args.parallel), lora=lora_info,
                        summary=f"world {ctx.world_size} on {ctx.device}; {data.describe_files(files)}, "
                                f"{len(val_records)} val; {args.batch_size * ctx.world_size * args.grad_accum_steps} "
-                               f"queries x {args.n_passages} passages per step; {args.parallel}, storage "
-                               f"{storage_dtype}, compute {compute_dtype or storage_dtype}")
+                               f"queries x {args.n_passages} passages per step; {args.parallel}, "
+                               f"storage {storage_dtype}, compute {compute_dtype or storage_dtype}"
+                               f"{dropout.describe(encoder)}")
 
     # ----- loop ----------------------------------------------------------------------------------
     stop = ckpt.StopSignal()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0
@@ -122,8 +123,7 @@ def main():
         if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping) or best_now:
             ckpt.save_checkpoint(args.output_dir, step, encoder, optimizer, scheduler,
                                  state.state_dict(dataset.steps_per_epoch, args.grad_accum_steps), vars(args),
-                                 wrapped=model, keep_last=args.keep_last,
-                                 sharded_model=args.sharded_checkpoints)
+                                 wrapped=model, keep_last=args.keep_last, sharded_model=args.sharded_checkpoints)
         if last_step or state.stopping:
             break
 

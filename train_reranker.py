@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from retrieval_kit import ckpt, cli, data, dist, evaluate, log, loop, lora, optim, plan, precision, records
+from retrieval_kit import ckpt, cli, data, dist, dropout, evaluate, log, loop, lora, optim, plan, precision, records
 from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, TEMPLATE_PRESETS, pair_layout, rerank_inputs
 from retrieval_kit.export import export_reranker, model_card, warn_kit_only
 from retrieval_kit.formats import exit_on_data_error
@@ -119,7 +119,7 @@ def main():
     tokenizer = set_padding_side(load_tokenizer(model_dir, args.trust_remote_code), args.padding_side, args.head)
     net, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
         functools.partial(load_lm_reranker if args.head == "lm" else load_reranker, model_dir, storage_dtype,
-                          args.trust_remote_code, args.attn_implementation, attention_dropout=args.attention_dropout),
+                          args.trust_remote_code, args.attn_implementation, **cli.load_settings(args)),
         args.parallel == "fsdp2", ctx)
     lm_ids = lm_token_ids(tokenizer, args.lm_tokens) if args.head == "lm" else None  # [true, false] vocab rows
     setup_pad_token(tokenizer, net)
@@ -177,8 +177,9 @@ def main():
                        memory_plan=plan.memory_plan(net, ctx.world_size, args.parallel), lora=lora_info,
                        summary=f"world {ctx.world_size} on {ctx.device}; {data.describe_files(files)}, "
                                f"{len(val_records)} val; {args.batch_size * ctx.world_size * args.grad_accum_steps} "
-                               f"queries x {args.n_passages} pairs per step; {args.parallel}, storage "
-                               f"{storage_dtype}, compute {compute_dtype or storage_dtype}")
+                               f"queries x {args.n_passages} pairs per step; {args.parallel}, "
+                               f"storage {storage_dtype}, compute {compute_dtype or storage_dtype}"
+                               f"{dropout.describe(net)}")
 
     # ----- loop ----------------------------------------------------------------------------------
     stop = ckpt.StopSignal()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0

@@ -41,6 +41,7 @@ sys.path.insert(0, ROOT)
 from bench.bench_train_step import (batches, current_rss_mb, kit_collate, make_kit, peak_rss_mb,  # noqa: E402
                                     reset_peak_rss)
 from retrieval_kit import dist  # noqa: E402
+from retrieval_kit.hostmem import keep_freed_memory  # noqa: E402
 from retrieval_kit.models import default_model_dir, set_attention_dropout  # noqa: E402
 
 
@@ -65,6 +66,12 @@ def matmul_peak(config, repeats=5):
                 torch.mm(x, w)
                 best = max(best, 2 * a[0] * a[1] * b[1] / (time.perf_counter() - t0) / 1e9)
     return best
+
+
+def kit_settings(args):
+    """The header's words for the kit side's --fast-dropout and --keep-freed-memory."""
+    return (", kit --fast-dropout" if args.fast_dropout else "") + \
+        ("" if args.keep_freed_memory else ", kit --no-keep-freed-memory")
 
 
 def sequential_batches(dataset, batch_size, drop_last, **_):
@@ -129,29 +136,33 @@ def st_train(trainer_cls, args_cls, model, rows, loss, batch_size, n_steps, lr):
 
 
 def compare(args, kit_block, st_block, config, header):
-    """The comparison of both benches: with --only, one side's peak RSS over a few steps (printed as
-    JSON); else the blocks kit, st, kit, st (medians over both after --warmup steps each), each side's
-    peak RSS from a fresh process, and the table: step time, memory, useful FLOP/s and their ratios.
-    kit_block(n) -> (step times, real token lengths per step); st_block(n) -> step times."""
+    """The comparison of both benches: blocks kit, st, kit, st, each a fresh process running --warmup
+    + --steps steps (medians over the blocks' timed steps; peak RSS the highest of a side's blocks), then
+    the table: step time, memory, useful FLOP/s and their ratios. The kit's processes run as its scripts
+    do on a CPU (--keep-freed-memory unless --no-keep-freed-memory); sentence-transformers' with glibc's
+    defaults. kit_block(n) -> (step times, real token lengths per step); st_block(n) -> step times.
+    With --only SIDE this process is one such block and prints it as JSON."""
+    total = args.warmup + args.steps
     if args.only:
-        n = args.warmup + 2
+        if args.only == "kit" and args.keep_freed_memory:
+            keep_freed_memory()
         reset_peak_rss()
         base = current_rss_mb()
-        kit_block(n) if args.only == "kit" else st_block(n)
-        print(json.dumps({"peak_rss_mb": peak_rss_mb(), "step_mb": peak_rss_mb() - base}))
+        times, tokens = kit_block(total) if args.only == "kit" else (st_block(total), None)
+        print(json.dumps({"times": times, "tokens": tokens, "peak_rss_mb": peak_rss_mb(),
+                          "step_mb": peak_rss_mb() - base}))
         return
-    total = args.warmup + args.steps
-    kit_times, st_times, lengths = [], [], []
+    kit_times, st_times, lengths, mem = [], [], [], {}
     for _ in range(getattr(args, "blocks", 2)):
-        t, toks = kit_block(total)
-        kit_times += t[args.warmup:]
-        lengths += toks[args.warmup:]
-        st_times += st_block(total)[args.warmup:]
-    mem = {}
-    for side in ("kit", "st"):
-        out = subprocess.run([sys.executable, sys.argv[0], "--only", side] + sys.argv[1:], capture_output=True,
-                             text=True, check=True)
-        mem[side] = json.loads(out.stdout.strip().splitlines()[-1])
+        for side in ("kit", "st"):
+            out = subprocess.run([sys.executable, sys.argv[0], "--only", side] + sys.argv[1:], capture_output=True,
+                                 text=True, check=True)
+            block = json.loads(out.stdout.strip().splitlines()[-1])
+            (kit_times if side == "kit" else st_times).extend(block["times"][args.warmup:])
+            if side == "kit":
+                lengths += block["tokens"][args.warmup:]
+            if block["peak_rss_mb"] > mem.get(side, {}).get("peak_rss_mb", 0):
+                mem[side] = block
     kit_s, st_s = statistics.median(kit_times), statistics.median(st_times)
     flops = statistics.median(useful_flops(config, toks) for toks in lengths)
     peak = matmul_peak(config)
@@ -164,6 +175,14 @@ def compare(args, kit_block, st_block, config, header):
           f"{mem['kit']['peak_rss_mb'] / mem['st']['peak_rss_mb']:.3f} (peak RSS); fp32 matmul peak at the model's "
           f"shapes {peak:.1f} GFLOP/s: kit {100 * flops / kit_s / 1e9 / peak:.0f}%, sentence-transformers "
           f"{100 * flops / st_s / 1e9 / peak:.0f}%")
+
+
+def add_kit_args(ap):
+    """The flags both peer benches share: the kit side's --fast-dropout and --keep-freed-memory, --only."""
+    ap.add_argument("--fast-dropout", action="store_true", help="the kit side with --fast-dropout")
+    ap.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
+                    help="the kit side's processes with --keep-freed-memory, as its scripts on a CPU (default on)")
+    ap.add_argument("--only", choices=("kit", "st"), help="(internal) run one block of one side, print it as JSON")
 
 
 def main():
@@ -179,7 +198,7 @@ def main():
     ap.add_argument("--steps", type=int, default=6, help="timed steps per block")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each block")
     ap.add_argument("--blocks", type=int, default=2, help="blocks per side, alternating kit and st (default 2)")
-    ap.add_argument("--only", choices=("kit", "st"), help="(internal) run one side and print its peak RSS")
+    add_kit_args(ap)
     args = ap.parse_args()
     args.n_passages, args.grad_cache, args.activation_checkpointing = 2, False, False
     from transformers import AutoConfig, AutoTokenizer
@@ -205,7 +224,7 @@ def main():
             f"model {model_dir}\n{args.batch_size} queries x (1 positive + 1 hard negative), max lengths "
             f"{args.query_max_length}/{args.passage_max_length}, {args.train_file}, {args.blocks * args.steps} timed steps per "
             f"side, threads {torch.get_num_threads()}, kit --chunk-tokens {args.chunk_tokens}, attention dropout "
-            f"{'as configured' if args.attention_dropout is None else args.attention_dropout}")
+            f"{'as configured' if args.attention_dropout is None else args.attention_dropout}{kit_settings(args)}")
     dist.cleanup()
 
 

@@ -28,10 +28,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.bench_peer import compare, set_st_attention_dropout, st_train  # noqa: E402
+from bench.bench_peer import add_kit_args, compare, kit_settings, set_st_attention_dropout, st_train  # noqa: E402
 from bench.bench_train_step import batches  # noqa: E402
 from retrieval_kit import dist, loop, optim  # noqa: E402
 from retrieval_kit.collate import pair_layout, rerank_inputs  # noqa: E402
+from retrieval_kit.dropout import apply_fast_dropout  # noqa: E402
 from retrieval_kit.losses import RERANK_LOSSES, reranker_loss  # noqa: E402
 from retrieval_kit.models import CrossEncoder, default_model_dir, load_reranker  # noqa: E402
 
@@ -39,6 +40,8 @@ from retrieval_kit.models import CrossEncoder, default_model_dir, load_reranker 
 def make_kit(model_dir, args, ctx):
     """train_reranker.py's step with its default flags: step(inputs) on one collated micro-batch."""
     net = load_reranker(model_dir, attention_dropout=args.attention_dropout).train()
+    if args.fast_dropout:
+        apply_fast_dropout(net)
     model, _ = dist.wrap(CrossEncoder(net), net, ctx)
     opt = optim.build_optimizer(optim.param_groups(net, 0.01), 2e-5)
     sched = optim.build_scheduler(opt, 0, 1000)
@@ -83,7 +86,7 @@ def main():
     ap.add_argument("--steps", type=int, default=6, help="timed steps per block")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each block")
     ap.add_argument("--blocks", type=int, default=2, help="blocks per side, alternating kit and st (default 2)")
-    ap.add_argument("--only", choices=("kit", "st"), help="(internal) run one side and print its peak RSS")
+    add_kit_args(ap)
     args = ap.parse_args()
     from transformers import AutoConfig, AutoTokenizer
 
@@ -111,7 +114,7 @@ def main():
             f"length {args.max_length} (mean pair {float(sum(lengths)) / len(lengths):.0f} tokens), {args.train_file}, "
             f"{args.blocks * args.steps} timed steps per side, threads {torch.get_num_threads()}, kit --chunk-tokens "
             f"{args.chunk_tokens}, attention dropout "
-            f"{'as configured' if args.attention_dropout is None else args.attention_dropout}")
+            f"{'as configured' if args.attention_dropout is None else args.attention_dropout}{kit_settings(args)}")
     dist.cleanup()
 
 

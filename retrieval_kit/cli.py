@@ -275,6 +275,15 @@ def add_precision_args(parser):
          help="dropout on the attention probabilities, in place of the model config's (BERT's 0.1; 0 lets "
               "SDPA keep its fused kernel: a faster step on a CPU, docs/benchmarks.md); recorded in the export's "
               "config (default: the config's)")
+    flag(g, "--fast-dropout", action="store_true",
+         help="dropout masks drawn 4 per 64-bit random word and kept as bytes, on the hidden states and (where the "
+              "attention is SDPA) the attention probabilities: a faster step and less memory on a CPU; the drop "
+              "rate is p to within 1/131072; another random stream, so other numbers than without it "
+              "(retrieval_kit/dropout.py; default off)")
+    flag(g, "--keep-freed-memory", action=argparse.BooleanOptionalAction, default=None, neutral=True,
+         help="glibc: freed memory stays in the process for the next step instead of going back to the OS, "
+              "sparing the page faults of fresh memory each step; the same numbers (retrieval_kit/hostmem.py; "
+              "default: on on CPU, off on CUDA)")
     return g
 
 
@@ -356,6 +365,11 @@ def lora_settings(args, base_model, storage_dtype):
     return dict(rank=args.lora_rank, alpha=args.lora_alpha or 2 * args.lora_rank, dropout=args.lora_dropout,
                 targets=tuple(args.lora_targets), dtype=trained_dtype(storage_dtype, args.force_fp32_params),
                 seed=args.seed, base_model=base_model, adapter=args.export_adapter)
+
+
+def load_settings(args):
+    """The keyword arguments of the model loaders (models.load_auto) that come from flags."""
+    return dict(attention_dropout=args.attention_dropout, fast_dropout=args.fast_dropout)
 
 
 def wrap_settings(args):
@@ -563,7 +577,8 @@ def resolve_device_defaults(args, device):
     - --compute-dtype auto: bf16 on a CUDA device that has it (fp32 master weights stay), else none;
     - --tf32 (default on CUDA): fp32 matmuls and convolutions in TF32 on CUDA; CPU never changes;
     - --chunk-tokens: CHUNK_TOKENS on CPU, CHUNK_TOKENS_CUDA on CUDA;
-    - --num-workers: 0 on CPU (workers take cores from the model), 2 on CUDA."""
+    - --num-workers: 0 on CPU (workers take cores from the model), 2 on CUDA;
+    - --keep-freed-memory: on on CPU (hostmem.keep_freed_memory, applied here), off on CUDA."""
     from .precision import cuda_bf16, set_tf32
 
     cuda = device.type == "cuda"
@@ -578,6 +593,12 @@ def resolve_device_defaults(args, device):
         args.chunk_tokens = CHUNK_TOKENS_CUDA if cuda else CHUNK_TOKENS
     if args.num_workers is None:
         args.num_workers = 2 if cuda else 0
+    if args.keep_freed_memory is None:
+        args.keep_freed_memory = not cuda
+    if args.keep_freed_memory:
+        from .hostmem import keep_freed_memory
+
+        keep_freed_memory()
     return args
 
 

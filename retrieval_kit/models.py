@@ -143,10 +143,10 @@ def embedding_size(model):
 
 
 def load_auto(auto_class, path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False,
-              attention_dropout=None, **config_kw):
+              attention_dropout=None, fast_dropout=False, **config_kw):
     """`auto_class`.from_pretrained(path) in `dtype` (or built on the meta device: on_meta), one sentence
     if it cannot load; a config that pins another dtype is cast to `dtype` (the resolved storage dtype wins);
-    `attention_dropout` (not None): set_attention_dropout."""
+    `attention_dropout` (not None): set_attention_dropout; `fast_dropout`: dropout.apply_fast_dropout."""
     with loading(path, "model"):
         if meta:
             model = on_meta(auto_class, path, dtype, trust_remote_code, attn_implementation, **config_kw)
@@ -157,6 +157,10 @@ def load_auto(auto_class, path, dtype=torch.float32, trust_remote_code=False, at
         model.to(dtype)
     if attention_dropout is not None:
         set_attention_dropout(model, attention_dropout)
+    if fast_dropout:
+        from .dropout import apply_fast_dropout
+
+        apply_fast_dropout(model)
     return model
 
 
@@ -186,10 +190,11 @@ def set_attention_dropout(model, p):
 
 
 def load_encoder(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False,
-                 attention_dropout=None):
+                 attention_dropout=None, fast_dropout=False):
     """Load any Hugging Face encoder directory with AutoModel, in `dtype` (`meta`: built on the meta device;
-    `attention_dropout`: set_attention_dropout)."""
-    model = load_auto(AutoModel, path, dtype, trust_remote_code, attn_implementation, meta, attention_dropout)
+    `attention_dropout`, `fast_dropout`: as load_auto)."""
+    model = load_auto(AutoModel, path, dtype, trust_remote_code, attn_implementation, meta, attention_dropout,
+                      fast_dropout)
     if getattr(model, "pooler", None) is not None:
         # BERT-style pooler head: our pooling replaces it, and params that get no grad would stall DDP
         model.pooler.requires_grad_(False)
@@ -414,23 +419,23 @@ def prepare_embedder(tokenizer, model, settings, append_eos=None, bidirectional=
 
 
 def load_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False,
-                  attention_dropout=None):
+                  attention_dropout=None, fast_dropout=False):
     """AutoModelForSequenceClassification with one logit; an encoder checkpoint gets a fresh head
-    (`meta`: built on the meta device; `attention_dropout`: set_attention_dropout)."""
+    (`meta`: built on the meta device; `attention_dropout`, `fast_dropout`: as load_auto)."""
     from transformers import AutoModelForSequenceClassification
 
     return load_auto(AutoModelForSequenceClassification, path, dtype, trust_remote_code, attn_implementation, meta,
-                     attention_dropout, num_labels=1)
+                     attention_dropout, fast_dropout, num_labels=1)
 
 
 def load_lm_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False,
-                     attention_dropout=None):
+                     attention_dropout=None, fast_dropout=False):
     """AutoModelForCausalLM, for a reranker scored by its LM head (CrossEncoder(lm_tokens=...)); `meta`:
-    built on the meta device; `attention_dropout`: set_attention_dropout."""
+    built on the meta device; `attention_dropout`, `fast_dropout`: as load_auto."""
     from transformers import AutoModelForCausalLM
 
     return load_auto(AutoModelForCausalLM, path, dtype, trust_remote_code, attn_implementation, meta,
-                     attention_dropout)
+                     attention_dropout, fast_dropout)
 
 
 def lm_token_ids(tokenizer, words):

@@ -21,7 +21,7 @@ def bench(script, args):
 
 
 @pytest.mark.parametrize("script,args,says", [
-    ("bench_peer.py", ["--steps", 1, "--warmup", 0, "--blocks", 1, "--passage-max-length", 32],
+    ("bench_peer.py", ["--steps", 1, "--warmup", 0, "--blocks", 1, "--passage-max-length", 32, "--fast-dropout"],
      "kit / sentence-transformers:"),
     ("bench_peer_reranker.py", ["--steps", 1, "--warmup", 0, "--blocks", 1, "--max-length", 32, "--n-passages", 2],
      "kit / sentence-transformers:"),

@@ -17,10 +17,11 @@ def run_piece(m, name, sub):
     return m(**{name: sub})[name]
 
 
-def test_grad_cache_equals_plain_backward_with_dropout_on(tiny_model_dir):
+@pytest.mark.parametrize("fast_dropout", [False, True])
+def test_grad_cache_equals_plain_backward_with_dropout_on(tiny_model_dir, fast_dropout):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     q, p = collate_biencoder(tok, QUERIES, GROUPS, 32, 32)
-    enc = load_encoder(tiny_model_dir).train()  # dropout on: GradCache must replay each chunk's RNG
+    enc = load_encoder(tiny_model_dir, fast_dropout=fast_dropout).train()  # GradCache must replay each chunk's RNG
     model = BiEncoder(enc, "avg", True)
     inputs = {"q": chunk_batch(q, 24), "p": chunk_batch(p, 24)}
     params = list(enc.named_parameters())
@@ -40,12 +41,15 @@ def test_grad_cache_equals_plain_backward_with_dropout_on(tiny_model_dir):
     assert len(inputs["p"].chunks) > 2
 
 
-@pytest.mark.parametrize("side,pooling", [("right", "native"), ("left", "last")])
-def test_reranker_grad_cache_equals_plain_backward_with_dropout_on(tiny_model_dir, tiny_decoder_dir, side, pooling):
+@pytest.mark.parametrize("side,pooling,fast_dropout", [("right", "native", False), ("left", "last", False),
+                                                       ("left", "last", True)])
+def test_reranker_grad_cache_equals_plain_backward_with_dropout_on(tiny_model_dir, tiny_decoder_dir, side, pooling,
+                                                                   fast_dropout):
+    """(--fast-dropout on the Llama: its causal, grouped-query attention through dropout.attention)"""
     path = tiny_model_dir if side == "right" else tiny_decoder_dir
     tok = AutoTokenizer.from_pretrained(path)
     torch.manual_seed(0)
-    net = load_reranker(path).train()
+    net = load_reranker(path, fast_dropout=fast_dropout).train()
     for m in net.modules():  # Llama ships with attention dropout 0: turn it on to test the RNG replay
         if hasattr(m, "attention_dropout"):
             m.attention_dropout = 0.1

@@ -148,14 +148,23 @@ def test_attention_dropout_on_a_model_without_attention_modules_is_one_sentence(
 @pytest.mark.parametrize("script", ["train_biencoder.py", "train_reranker.py"])
 def test_attention_dropout_flag_reaches_the_trained_model_and_its_export(script, tiny_model_dir, small_train_file,
                                                                          tmp_path):
+    """--attention-dropout lands in the export's config; with --fast-dropout (one launch for both), which
+    the run summary states, and whose attention routing stays out of the export."""
     import json
     import os
 
+    from retrieval_kit.dropout import ATTN_NAME
     from tests.conftest import run_script
 
-    run_script(script, ["--model", tiny_model_dir, "--train-file", small_train_file, "--val-file", "", "--batch-size", 4,
-                        "--n-passages", 2, "--max-steps", 1, "--warmup-steps", 0, "--attention-dropout", 0.25,
-                        "--rerank-max-length" if "reranker" in script else "--passage-max-length", 64,
-                        "--output-dir", tmp_path])
-    assert json.load(open(os.path.join(tmp_path, "final", "config.json")))["attention_probs_dropout_prob"] == 0.25
+    res = run_script(script, ["--model", tiny_model_dir, "--train-file", small_train_file, "--val-file", "",
+                              "--batch-size", 4, "--n-passages", 2, "--max-steps", 1, "--warmup-steps", 0,
+                              "--attention-dropout", 0.25, "--fast-dropout",
+                              "--rerank-max-length" if "reranker" in script else "--passage-max-length", 64,
+                              "--output-dir", tmp_path])
+    config = open(os.path.join(tmp_path, "final", "config.json")).read()
+    assert json.loads(config)["attention_probs_dropout_prob"] == 0.25 and ATTN_NAME not in config
     assert json.load(open(os.path.join(tiny_model_dir, "config.json")))["attention_probs_dropout_prob"] == 0.1
+    header = json.load(open(os.path.join(tmp_path, "run_header.json")))
+    assert header["args"]["fast_dropout"] is True and header["args"]["keep_freed_memory"] is True  # the CPU's default
+    n = 2 * 3 + 1 + ("reranker" in script)  # 2 layers x 3, the embeddings' and the reranker head's
+    assert f"fast dropout on {n} dropout modules and the attention" in res.stdout
