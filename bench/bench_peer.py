@@ -16,8 +16,10 @@ grad-norm clipping at 1, fused AdamW (lr 1e-5, weight decay 0.01 on both), dropo
        both sides; queries here are shorter than the kit's query max length anyway).
 A step's time is the wall time from the end of one step to the end of the next, so both include
 fetching and tokenizing their batch. The kit block and the sentence-transformers block each run
-twice (kit, st, kit, st) and the medians are over both. Peak memory is the RSS high-water mark of a
-few steps in a fresh process per side.
+twice (kit, st, kit, st), each block in a fresh process, and the medians are over both. Peak memory
+is the RSS high-water mark of a side's steps, the highest of its blocks. The kit's processes run with
+--keep-freed-memory as its scripts do on a CPU (--no-keep-freed-memory: off), sentence-transformers'
+with glibc's defaults; --fast-dropout runs the kit side with that flag.
 
 Useful FLOP/s: model FLOPs of the step on real (unpadded) tokens from the config - per token and
 layer 2 x (4H^2 + 2HI) for the projections and feed-forward, per sequence and layer 4 x len^2 x H for
@@ -224,7 +226,8 @@ def main():
             f"model {model_dir}\n{args.batch_size} queries x (1 positive + 1 hard negative), max lengths "
             f"{args.query_max_length}/{args.passage_max_length}, {args.train_file}, {args.blocks * args.steps} timed steps per "
             f"side, threads {torch.get_num_threads()}, kit --chunk-tokens {args.chunk_tokens}, attention dropout "
-            f"{'as configured' if args.attention_dropout is None else args.attention_dropout}{kit_settings(args)}")
+            f"{'as configured' if args.attention_dropout is None else args.attention_dropout}"
+            f"{kit_settings(args)}")
     dist.cleanup()
 
 

@@ -102,7 +102,8 @@ def register():
 def apply_fast_dropout(model):
     """--fast-dropout on a loaded model: every nn.Dropout becomes FastDropout (in place, same p) and an
     SDPA attention runs through `attention`. Returns (dropout modules swapped, whether the attention was).
-    Another attention kernel (eager, flash) keeps its own dropout on the probabilities."""
+    Another attention kernel (eager, flash), or a config with a sliding window, keeps its own dropout on
+    the probabilities."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -114,7 +115,7 @@ def apply_fast_dropout(model):
     routed = False
     for m in model.modules():
         config = getattr(m, "config", None)
-        if getattr(config, "_attn_implementation", None) == "sdpa":
+        if getattr(config, "_attn_implementation", None) == "sdpa" and getattr(config, "sliding_window", None) is None:
             register()
             config._attn_implementation = ATTN_NAME
             routed = True

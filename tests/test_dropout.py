@@ -147,3 +147,13 @@ def test_keep_freed_memory_spares_the_page_faults_of_reallocating():
     pages = 10 * (30522 * 384 + 4 * 12 * 256 * 256) * 4 // 4096
     assert system > pages // 4  # the 47 MB block is mapped afresh each time and faults its pages in
     assert kept < pages // 100  # reused: next to none
+
+
+def test_fast_dropout_leaves_a_sliding_window_attention_to_sdpa():
+    from transformers import Qwen2Config, Qwen2Model
+
+    kw = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+              num_key_value_heads=2)
+    assert apply_fast_dropout(Qwen2Model(Qwen2Config(**kw))) == (0, True)  # no dropout modules; the attention
+    windowed = Qwen2Model(Qwen2Config(use_sliding_window=True, sliding_window=8, **kw))
+    assert apply_fast_dropout(windowed) == (0, False) and windowed.config._attn_implementation == "sdpa"
