@@ -82,11 +82,12 @@ def part_versions(tmp):
     say("  accelerator:", json.dumps(info))
 
     class Auto:
-        compute_dtype, tf32, chunk_tokens, num_workers = "auto", None, None, None
+        compute_dtype, tf32, chunk_tokens, num_workers, keep_freed_memory = "auto", None, None, None, None
     a = cli.resolve_device_defaults(Auto(), DEVICE)
-    say(f"  auto: --compute-dtype {a.compute_dtype}, --tf32 {a.tf32}, --chunk-tokens {a.chunk_tokens}")
+    say(f"  auto: --compute-dtype {a.compute_dtype}, --tf32 {a.tf32}, --chunk-tokens {a.chunk_tokens}, "
+        f"--keep-freed-memory {a.keep_freed_memory}")
     return {"accelerator": info, "auto": {"compute_dtype": a.compute_dtype, "tf32": a.tf32,
-                                          "chunk_tokens": a.chunk_tokens}}
+                                          "chunk_tokens": a.chunk_tokens, "keep_freed_memory": a.keep_freed_memory}}
 
 
 def part_train(tmp):

@@ -85,15 +85,18 @@ def test_cuda_rng_state_is_the_current_devices_and_restores_onto_it(monkeypatch)
 class Args:
     def __init__(self, **kw):
         self.compute_dtype, self.tf32, self.chunk_tokens, self.num_workers = "auto", None, None, None
+        self.keep_freed_memory = None
         self.__dict__.update(kw)
 
 
 def test_auto_defaults_on_cpu_change_nothing():
     args = cli.resolve_device_defaults(Args(), torch.device("cpu"))
     assert (args.compute_dtype, args.tf32, args.chunk_tokens, args.num_workers) == ("none", False, 1024, 0)
-    explicit = cli.resolve_device_defaults(Args(compute_dtype="bf16", chunk_tokens=0, tf32=False, num_workers=3),
-                                           torch.device("cpu"))
+    assert args.keep_freed_memory is True
+    explicit = cli.resolve_device_defaults(Args(compute_dtype="bf16", chunk_tokens=0, tf32=False, num_workers=3,
+                                                keep_freed_memory=False), torch.device("cpu"))
     assert (explicit.compute_dtype, explicit.chunk_tokens, explicit.num_workers) == ("bf16", 0, 3)
+    assert explicit.keep_freed_memory is False
     with pytest.raises(SystemExit, match="--tf32"):
         cli.resolve_device_defaults(Args(tf32=True), torch.device("cpu"))
 
@@ -106,6 +109,7 @@ def test_auto_defaults_on_cuda_are_bf16_compute_tf32_and_larger_chunks(monkeypat
             monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, bf16=bf16, **k: bf16)
             args = cli.resolve_device_defaults(Args(), torch.device("cuda", 0))
             assert (args.compute_dtype, args.tf32, args.chunk_tokens, args.num_workers) == (compute, True, 8192, 2)
+            assert args.keep_freed_memory is False
             assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
         cli.resolve_device_defaults(Args(tf32=False), torch.device("cuda", 0))
         assert not torch.backends.cuda.matmul.allow_tf32
