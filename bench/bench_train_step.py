@@ -47,7 +47,6 @@ from retrieval_kit.losses import biencoder_loss  # noqa: E402
 from retrieval_kit import data, dist, loop, optim  # noqa: E402
 from retrieval_kit.records import read_records  # noqa: E402
 from retrieval_kit.collate import biencoder_inputs  # noqa: E402
-from retrieval_kit.dropout import apply_fast_dropout  # noqa: E402
 from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder  # noqa: E402
 
 
@@ -78,9 +77,8 @@ def batches(args):
 def make_kit(model_dir, args, ctx):
     """The step of train_biencoder.py: step(inputs) runs forward/backward and the step tail on one
     collated micro-batch ({"q": Chunked, "p": Chunked}); returns the host reads it made."""
-    enc = load_encoder(model_dir, attention_dropout=getattr(args, "attention_dropout", None)).train()
-    if getattr(args, "fast_dropout", False):
-        apply_fast_dropout(enc)
+    enc = load_encoder(model_dir, attention_dropout=getattr(args, "attention_dropout", None),
+                       fast_dropout=getattr(args, "fast_dropout", False)).train()
     model, _ = dist.wrap(BiEncoder(enc, "avg", True), enc, ctx, activation_checkpointing=args.activation_checkpointing)
     opt = optim.build_optimizer(optim.param_groups(enc, 0.01), 1e-5)
     sched = optim.build_scheduler(opt, 0, 1000)
