@@ -98,7 +98,18 @@ def init(device="auto", backend="auto", timeout_minutes=None):
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
         atexit.register(release_at_exit)
+    dump_stacks_on_sigusr1()
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, dev)
+
+
+def dump_stacks_on_sigusr1():
+    """`kill -USR1 PID` makes this process print every thread's Python stack to stderr and go on: a
+    run that seems hung says where each rank waits. A handler someone else installed is left alone."""
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def seed_all(seed, rank, torch_per_rank=True):

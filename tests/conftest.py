@@ -78,9 +78,67 @@ def run_script(script, args, nproc=1, timeout=600, env=None):
     else:
         cmd = [sys.executable, path] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                          f"--nproc_per_node={nproc}", path]
-        out = subprocess.run(cmd + [str(a) for a in args], cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=timeout)
+        out = run_watched(cmd + [str(a) for a in args], env, timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out
+
+
+def run_watched(cmd, env, timeout):
+    """subprocess.run(cmd, capture_output=True, text=True), except that a command still running after
+    `timeout` s fails the test with what it was doing: every process below the launcher prints its
+    threads' stacks (SIGUSR1, which dist.init hands to faulthandler), the process tree is listed and
+    then killed."""
+    import signal
+    import time
+
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        stdout, stderr = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        tree = process_tree(p.pid)
+        alive = []
+        for pid in tree:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    alive.append(f"{pid}: {f.read().replace(bytes(1), b' ').decode(errors='replace')[:160]}")
+            except OSError:
+                pass
+        for pid in tree[1:]:  # the workers; the launcher would only die of it
+            _signal(pid, signal.SIGUSR1)
+        time.sleep(3)
+        for pid in tree:
+            _signal(pid, signal.SIGKILL)
+        stdout, stderr = p.communicate()
+        pytest.fail(f"still running after {timeout} s, killed: {' '.join(cmd)}\nprocesses then:\n" + "\n".join(alive)
+                    + f"\n--- stdout (end) ---\n{stdout[-3000:]}\n--- stderr (end: the stacks) ---\n{stderr[-12000:]}",
+                    pytrace=False)
+    return subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr)
+
+
+def _signal(pid, sig):
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def process_tree(pid):
+    """pid and all its descendants (torchrun starts each worker in a session of its own)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
     return out
 
 

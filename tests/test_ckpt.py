@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from retrieval_kit import ckpt
-from tests.conftest import python_run, read_jsonl, ROOT, run_script
+from tests.conftest import process_tree, python_run, read_jsonl, ROOT, run_script  # noqa: F401 (process_tree: test_ranks, test_nodes)
 
 pytestmark = pytest.mark.slow  # every test here runs a script, a kill or a 2-rank launch
 
@@ -26,25 +26,6 @@ def launch(script, args, nproc=1, env=None):
                                                f"--nproc_per_node={nproc}"]
     return subprocess.Popen(cmd + [os.path.join(ROOT, script)] + [str(a) for a in args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def process_tree(pid):
-    """pid and all its descendants (torchrun starts each worker in a session of its own)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
 
 
 def kill_after_checkpoint(proc, ckpt_dir, sig, timeout=300):

@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -12,7 +11,7 @@ from transformers import AutoTokenizer
 from retrieval_kit.collate import collate_biencoder
 from retrieval_kit.losses import contrastive_loss
 from retrieval_kit.models import BiEncoder, load_encoder
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_watched
 from tests.test_chunking import GROUPS, QUERIES, assert_same, loss_and_grads
 
 pytestmark = pytest.mark.slow  # every test here runs a script, a kill or a 2-rank launch
@@ -24,10 +23,9 @@ TOL = 1e-5  # fp32; observed: losses within 1.3e-6, weights within 2e-7, grads w
 def results(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          os.path.join(ROOT, "tests", "dist_worker.py"), tiny_model_dir,
-                          os.path.join(ROOT, "data", "train.jsonl"), str(out)],
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = run_watched([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                       os.path.join(ROOT, "tests", "dist_worker.py"), tiny_model_dir,
+                       os.path.join(ROOT, "data", "train.jsonl"), str(out)], env, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     results = json.loads((out / "results.json").read_text())
     results["threads_at_exit"] = {p.name: json.loads(p.read_text()) for p in out.glob("threads_at_exit_rank*.json")}
@@ -157,3 +155,26 @@ def test_duplicates_are_masked_across_ranks_as_in_one_process(results):
     """Gathered negatives: a rank's query loses its positive's twin held by the other rank."""
     r = results["masked_gather"]
     assert r["count"] == r["ref_count"] >= 2 and r["loss_diff"] < TOL, r
+
+
+HUNG = """
+import time
+from retrieval_kit import dist
+dist.init()
+def waiting_in_a_named_place():
+    print("ready", flush=True)
+    time.sleep(300)
+waiting_in_a_named_place()
+"""
+
+
+def test_a_run_past_its_timeout_fails_with_every_process_stack():
+    """A launcher whose child hangs (the shape of torchrun and its workers): the test harness's
+    timeout names the child's Python frame (dist.init's SIGUSR1 stack dump) and kills the tree."""
+    launcher = ["-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {HUNG!r}])"]
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    with pytest.raises(pytest.fail.Exception) as e:
+        run_watched([sys.executable, *launcher], env, timeout=20)
+    message = str(e.value)
+    assert "waiting_in_a_named_place" in message and "ready" in message, message[-3000:]
+    assert message.count("-c") >= 2, message[:2000]  # both processes were listed

@@ -4,7 +4,6 @@ ranks (rank 0's shards), and the command line prints it without training."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 from retrieval_kit import optim, plan
 from retrieval_kit.models import BiEncoder, load_encoder
-from tests.conftest import python_run, ROOT
+from tests.conftest import python_run, ROOT, run_watched
 
 
 def local(t):
@@ -58,9 +57,8 @@ def test_fsdp2_shards_are_planned_per_rank(tmp_path):
 def test_the_plan_is_what_rank_0_holds_under_fsdp2_on_2_ranks(tiny_model_dir, tmp_path):
     out = tmp_path / "plan.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          os.path.join(ROOT, "tests", "plan_worker.py"), tiny_model_dir, str(out)], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    run = run_watched([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                       os.path.join(ROOT, "tests", "plan_worker.py"), tiny_model_dir, str(out)], env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     for kind, r in json.loads(out.read_text()).items():  # full fine-tuning, LoRA
         assert {k: r["plan"][k] for k in ("params", "grads", "optimizer")} == r["real"], kind
