@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoTokenizer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.bench_peer import matmul_peak, useful_flops  # noqa: E402
+from retrieval_kit import precision  # noqa: E402
 from retrieval_kit.collate import PAIR, collate_rerank, pair_layout  # noqa: E402
 from retrieval_kit.encode import encode_texts, score_pairs  # noqa: E402
 from retrieval_kit.export import export_reranker, load_exported_reranker  # noqa: E402
@@ -60,6 +61,14 @@ def timed(sides, reps):
     return {k: (statistics.median(v), outs[k]) for k, v in times.items()}
 
 
+def bf16_side(name, args, fn):
+    """{name + " bf16": fn under bf16 autocast} when --compute-dtype bf16, else {}."""
+    def under_autocast():
+        with precision.autocast("cpu", torch.bfloat16):
+            return fn()
+    return {f"{name} bf16": under_autocast} if args.compute_dtype == "bf16" else {}
+
+
 def report(title, n, unit, results, baseline, flops, peak):
     print(title)
     for name, (sec, _) in results.items():
@@ -77,6 +86,8 @@ def main():
     ap.add_argument("--pair-batch-size", type=int, default=32, help="pairs per forward")
     ap.add_argument("--max-length", type=int, default=128)
     ap.add_argument("--pair-max-length", type=int, default=256)
+    ap.add_argument("--compute-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: a kit side under bf16 autocast is timed as well (the matmul peak shown for both)")
     args = ap.parse_args()
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.cross_encoder import CrossEncoder as STCrossEncoder
@@ -95,11 +106,18 @@ def main():
                  "sentence-transformers": lambda: torch.from_numpy(st.encode(
                      texts, batch_size=args.batch_size, normalize_embeddings=True)),
                  "kit encode_texts": lambda: encode_texts(model, tok, texts, args.max_length,
-                                                          batch_size=args.batch_size)}, args.reps)
+                                                          batch_size=args.batch_size),
+                 **bf16_side("kit encode_texts", args, lambda: encode_texts(model, tok, texts, args.max_length,
+                                                                            batch_size=args.batch_size))}, args.reps)
     lengths = [len(x) for x in tok(texts, max_length=args.max_length, truncation=True)["input_ids"]]
     peak = matmul_peak(config)
     kit = res["kit encode_texts"][1]
-    print(f"model {model_dir}; {torch.get_num_threads()} threads; fp32 matmul peak at its shapes {peak:.1f} GFLOP/s")
+    print(f"model {model_dir}; {torch.get_num_threads()} threads; fp32 matmul peak at its shapes {peak:.1f} GFLOP/s"
+          + (f", bf16 {matmul_peak(config, dtype=torch.bfloat16):.1f} GFLOP/s (shares below: of fp32's)"
+             if args.compute_dtype == "bf16" else ""))
+    if args.compute_dtype == "bf16":
+        print(f"  bf16 vs fp32 kit embeddings: max difference {(res['kit encode_texts bf16'][1] - kit).abs().max():.1e}, "
+              f"cosine min {F.cosine_similarity(res['kit encode_texts bf16'][1], kit).min():.5f}")
     report(f"{len(texts)} docs of data/eval (tokens: median {statistics.median(lengths)}, max {max(lengths)}), batch "
            f"{args.batch_size}, max length {args.max_length}, {args.reps} reps; max embedding difference kit vs "
            f"sentence-transformers {(kit - res['sentence-transformers'][1]).abs().max().item():.1e}, vs plain "
@@ -120,7 +138,9 @@ def main():
     pairs = list(zip(qs, ps))
     res = timed({"sentence-transformers": lambda: torch.from_numpy(ce.predict(
                      pairs, batch_size=args.pair_batch_size)).float().flatten(),
-                 "kit score_pairs": lambda: score_pairs(rr, rr_tok, qs, ps, saved, args.pair_batch_size)}, args.reps)
+                 "kit score_pairs": lambda: score_pairs(rr, rr_tok, qs, ps, saved, args.pair_batch_size),
+                 **bf16_side("kit score_pairs", args, lambda: score_pairs(rr, rr_tok, qs, ps, saved,
+                                                                          args.pair_batch_size))}, args.reps)
     layout = pair_layout(rr_tok)
     lengths = [int(collate_rerank(rr_tok, [q], [[p]], max_length=args.pair_max_length, layout=layout)
                    ["attention_mask"].sum()) for q, p in pairs]
@@ -128,6 +148,9 @@ def main():
            f"{max(lengths)}), {args.pair_batch_size} per forward, max length {args.pair_max_length}; max score "
            f"difference {(res['kit score_pairs'][1] - res['sentence-transformers'][1]).abs().max().item():.1e}",
            len(pairs), "pairs", res, "sentence-transformers", useful_flops(config, lengths) / 3, peak)
+    if args.compute_dtype == "bf16":
+        print(f"  bf16 vs fp32 kit scores: max difference "
+              f"{(res['kit score_pairs bf16'][1] - res['kit score_pairs'][1]).abs().max():.1e}")
 
 
 if __name__ == "__main__":

@@ -55,13 +55,13 @@ def useful_flops(config, lengths):
     return 3 * (per_token * sum(lengths) + attention)
 
 
-def matmul_peak(config, repeats=5):
-    """Best fp32 GFLOP/s of torch.mm on the feed-forward shapes, over a few row counts."""
+def matmul_peak(config, repeats=5, dtype=torch.float32):
+    """Best GFLOP/s of torch.mm in `dtype` on the feed-forward shapes, over a few row counts."""
     h, i = config.hidden_size, config.intermediate_size
     best = 0.0
     for rows in (512, 1024, 2048, 4096):
         for a, b in (((rows, h), (h, i)), ((rows, i), (i, h))):
-            x, w = torch.randn(*a), torch.randn(*b)
+            x, w = torch.randn(*a, dtype=dtype), torch.randn(*b, dtype=dtype)
             torch.mm(x, w)
             for _ in range(repeats):
                 t0 = time.perf_counter()
@@ -71,9 +71,10 @@ def matmul_peak(config, repeats=5):
 
 
 def kit_settings(args):
-    """The header's words for the kit side's --fast-dropout and --keep-freed-memory."""
+    """The header's words for the kit side's --fast-dropout, --keep-freed-memory and both compute dtypes."""
     return (", kit --fast-dropout" if args.fast_dropout else "") + \
-        ("" if args.keep_freed_memory else ", kit --no-keep-freed-memory")
+        ("" if args.keep_freed_memory else ", kit --no-keep-freed-memory") + \
+        f", compute kit {args.compute_dtype}, sentence-transformers {args.st_compute_dtype}"
 
 
 def sequential_batches(dataset, batch_size, drop_last, **_):
@@ -100,7 +101,8 @@ def st_run(model_dir, args, work, n_steps):
     model.max_seq_length = args.passage_max_length
     set_st_attention_dropout(model, args.attention_dropout)
     return st_train(SentenceTransformerTrainer, SentenceTransformerTrainingArguments, model, rows,
-                    MultipleNegativesRankingLoss(model, scale=20.0), args.batch_size, n_steps, 1e-5)
+                    MultipleNegativesRankingLoss(model, scale=20.0), args.batch_size, n_steps, 1e-5,
+                    bf16=args.st_compute_dtype == "bf16")
 
 
 def set_st_attention_dropout(st_model, p):
@@ -111,9 +113,10 @@ def set_st_attention_dropout(st_model, p):
         set_attention_dropout(next(m for m in st_model.modules() if isinstance(m, PreTrainedModel)), p)
 
 
-def st_train(trainer_cls, args_cls, model, rows, loss, batch_size, n_steps, lr):
+def st_train(trainer_cls, args_cls, model, rows, loss, batch_size, n_steps, lr, bf16=False):
     """Train with a sentence-transformers trainer (fused AdamW, constant lr, weight decay 0.01, clipping
-    at 1, batches in dataset order, no logging or saving); returns the step times, end to end."""
+    at 1, batches in dataset order, no logging or saving; `bf16`: its own bf16 mixed precision, an
+    autocast over fp32 weights); returns the step times, end to end."""
     from datasets import Dataset
     from transformers import TrainerCallback
 
@@ -131,7 +134,7 @@ def st_train(trainer_cls, args_cls, model, rows, loss, batch_size, n_steps, lr):
             output_dir=out, per_device_train_batch_size=batch_size, max_steps=n_steps, learning_rate=lr,
             weight_decay=0.01, optim="adamw_torch_fused", lr_scheduler_type="constant", warmup_steps=0,
             max_grad_norm=1.0, logging_steps=10 ** 9, save_strategy="no", report_to="none", disable_tqdm=True,
-            dataloader_drop_last=True, batch_sampler=sequential_batches, seed=0, use_cpu=True)
+            dataloader_drop_last=True, batch_sampler=sequential_batches, seed=0, use_cpu=True, bf16=bf16)
         trainer_cls(model=model, args=targs, train_dataset=Dataset.from_dict(rows), loss=loss,
                     callbacks=[Clock()]).train()
     return [b - a for a, b in zip(ends, ends[1:])]
@@ -167,15 +170,16 @@ def compare(args, kit_block, st_block, config, header):
                 mem[side] = block
     kit_s, st_s = statistics.median(kit_times), statistics.median(st_times)
     flops = statistics.median(useful_flops(config, toks) for toks in lengths)
-    peak = matmul_peak(config)
+    dtype = torch.bfloat16 if args.compute_dtype == "bf16" else torch.float32
+    peak = matmul_peak(config, dtype=dtype)
     print(header)
     print(f"{'':22} {'median step s':>14} {'peak RSS MB':>12} {'step MB':>8} {'useful GFLOP/s':>15}")
     for name, side, s in (("sentence-transformers", "st", st_s), ("kit", "kit", kit_s)):
         print(f"{name:22} {s:14.3f} {mem[side]['peak_rss_mb']:12.0f} {mem[side]['step_mb']:8.0f} "
               f"{flops / s / 1e9:15.1f}")
     print(f"kit / sentence-transformers: {kit_s / st_s:.3f} (step time), "
-          f"{mem['kit']['peak_rss_mb'] / mem['st']['peak_rss_mb']:.3f} (peak RSS); fp32 matmul peak at the model's "
-          f"shapes {peak:.1f} GFLOP/s: kit {100 * flops / kit_s / 1e9 / peak:.0f}%, sentence-transformers "
+          f"{mem['kit']['peak_rss_mb'] / mem['st']['peak_rss_mb']:.3f} (peak RSS); {args.compute_dtype} matmul peak at the "
+          f"model's shapes {peak:.1f} GFLOP/s: kit {100 * flops / kit_s / 1e9 / peak:.0f}%, sentence-transformers "
           f"{100 * flops / st_s / 1e9 / peak:.0f}%")
 
 
@@ -184,6 +188,11 @@ def add_kit_args(ap):
     ap.add_argument("--fast-dropout", action="store_true", help="the kit side with --fast-dropout")
     ap.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
                     help="the kit side's processes with --keep-freed-memory, as its scripts on a CPU (default on)")
+    ap.add_argument("--compute-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="the kit side's --compute-dtype (bf16: autocast over fp32 weights and moments); the "
+                         "matmul peak is then bf16's")
+    ap.add_argument("--st-compute-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="sentence-transformers' side: bf16 is its trainer's own bf16=True")
     ap.add_argument("--only", choices=("kit", "st"), help="(internal) run one block of one side, print it as JSON")
 
 

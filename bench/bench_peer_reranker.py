@@ -44,10 +44,11 @@ def make_kit(model_dir, args, ctx):
     sched = optim.build_scheduler(opt, 0, 1000)
     state = loop.LoopState()
     loss_fn = functools.partial(reranker_loss, n_passages=args.n_passages, loss=RERANK_LOSSES["listwise"])
+    autocast = (ctx.device.type, torch.bfloat16 if args.compute_dtype == "bf16" else None)
 
     def step(inputs):
         sums = loop.StepSums(ctx.device)
-        sums.add(inputs, *loop.plain_step(model, inputs, loss_fn, 1, True))
+        sums.add(inputs, *loop.plain_step(model, inputs, loss_fn, 1, True, autocast=autocast))
         loop.finish_step(model, opt, sched, state, sums, False, 1.0, 5)
     return step
 
@@ -67,7 +68,7 @@ def st_run(model_dir, args, work, n_steps):
     model = STCrossEncoder(model_dir, num_labels=1, max_length=args.max_length, device="cpu")
     set_st_attention_dropout(model, args.attention_dropout)
     return st_train(CrossEncoderTrainer, CrossEncoderTrainingArguments, model, rows, ListNetLoss(model),
-                    args.batch_size, n_steps, 2e-5)
+                    args.batch_size, n_steps, 2e-5, bf16=args.st_compute_dtype == "bf16")
 
 
 def main():

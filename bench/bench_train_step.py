@@ -86,12 +86,13 @@ def make_kit(model_dir, args, ctx):
     loss_fn = functools.partial(biencoder_loss, n_passages=args.n_passages, temperature=0.05, in_batch=True,
                                 gather=True, label_offset=0)
     fwd_bwd = loop.grad_cache_step if args.grad_cache else loop.plain_step
+    autocast = (ctx.device.type, torch.bfloat16 if getattr(args, "compute_dtype", "fp32") == "bf16" else None)
 
     def step(inputs):
         with HostReads() as reads:
             inputs = loop.to_device(inputs, ctx.device)
             sums = loop.StepSums(ctx.device)
-            sums.add(inputs, *fwd_bwd(model, inputs, loss_fn, 1, True))
+            sums.add(inputs, *fwd_bwd(model, inputs, loss_fn, 1, True, autocast=autocast))
             loop.finish_step(model, opt, sched, state, sums, False, 1.0, 5)
         return reads.count
     return step

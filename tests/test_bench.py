@@ -23,8 +23,8 @@ def bench(script, args):
 @pytest.mark.parametrize("script,args,says", [
     ("bench_peer.py", ["--steps", 1, "--warmup", 0, "--blocks", 1, "--passage-max-length", 32, "--fast-dropout"],
      "kit / sentence-transformers:"),
-    ("bench_peer_reranker.py", ["--steps", 1, "--warmup", 0, "--blocks", 1, "--max-length", 32, "--n-passages", 2],
-     "kit / sentence-transformers:"),
+    ("bench_peer_reranker.py", ["--steps", 1, "--warmup", 0, "--blocks", 1, "--max-length", 32, "--n-passages", 2,
+                                "--compute-dtype", "bf16", "--st-compute-dtype", "bf16"], "bf16 matmul peak"),
     ("bench_train_step.py", ["--steps", 1, "--warmup", 1, "--workers", 0, "--passage-max-length", 32],
      "overhead ratio kit/bare:"),
 ])
@@ -36,7 +36,7 @@ def test_bench_script_runs_on_the_tiny_model(script, args, says, tiny_model_dir,
 @pytest.mark.skipif(minilm_dir() is None, reason="these benches run the default model")
 @pytest.mark.parametrize("script,args,says", [
     ("bench_encode.py", ["--docs", 8, "--pairs", 8, "--reps", 1, "--batch-size", 8, "--max-length", 32,
-                         "--pair-max-length", 64], "kit score_pairs"),
+                         "--pair-max-length", 64, "--compute-dtype", "bf16"], "kit score_pairs bf16"),
     ("bench_grad_cache.py", ["--batches", 4, "--max-length", 32, "--chunk-tokens", 64], "grad-cache peak, batch 4"),
     ("bench_dist.py", ["--reps", 2, "--skip-ranks"], "clip_grad_norm_ (per param)"),
 ])
