@@ -108,6 +108,20 @@ def cuda_bf16():
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
+def cpu_bf16_matmul():
+    """The instructions this CPU does bf16 matmuls with ('amx_bf16', 'avx512_bf16'), or None when it
+    has neither: there oneDNN converts to fp32 and a bf16 matmul is 10-26x slower than fp32 (AVX2)."""
+    try:
+        caps = torch.cpu.get_capabilities()
+    except (AttributeError, RuntimeError):  # older torch: the kernel's own flags
+        try:
+            with open("/proc/cpuinfo") as f:
+                caps = dict.fromkeys(f.read().split(), True)
+        except OSError:
+            return None
+    return next((name for name in ("amx_bf16", "avx512_bf16") if caps.get(name)), None)
+
+
 def set_tf32(enabled, device):
     """fp32 matmuls and convolutions in TF32 on a CUDA device (--tf32); the CPU has no such mode."""
     if device.type == "cuda":

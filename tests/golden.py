@@ -34,7 +34,7 @@ VAL_KEYS = ("loss", "acc@1", "mrr")
 
 COMMON = ["--val-file", os.path.join(ROOT, "data", "val.jsonl"), "--val-max-groups", 8, "--val-every", 2,
           "--batch-size", 4, "--max-steps", 4, "--warmup-steps", 1, "--ckpt-every", 2, "--chunk-tokens", 96,
-          "--seed", 7]
+          "--seed", 7, "--compute-dtype", "none"]  # fp32 on every CPU (auto is bf16 on one with AVX512-BF16 or AMX)
 SCRIPT_ARGS = {
     "biencoder": ("train_biencoder.py", ["--n-passages", 2, "--passage-max-length", 48, "--lr", 1e-3]),
     "reranker": ("train_reranker.py", ["--n-passages", 2, "--rerank-max-length", 64, "--lr", 1e-3]),

@@ -89,16 +89,28 @@ class Args:
         self.__dict__.update(kw)
 
 
-def test_auto_defaults_on_cpu_change_nothing():
-    args = cli.resolve_device_defaults(Args(), torch.device("cpu"))
-    assert (args.compute_dtype, args.tf32, args.chunk_tokens, args.num_workers) == ("none", False, 1024, 0)
-    assert args.keep_freed_memory is True
+def test_auto_defaults_on_cpu_are_fp32_unless_it_has_bf16_matmul_instructions(monkeypatch, capsys):
+    for has, compute in ((None, "none"), ("avx512_bf16", "bf16"), ("amx_bf16", "bf16")):
+        monkeypatch.setattr(precision, "cpu_bf16_matmul", lambda has=has: has)
+        args = cli.resolve_device_defaults(Args(), torch.device("cpu"))
+        assert (args.compute_dtype, args.tf32, args.chunk_tokens, args.num_workers) == (compute, False, 1024, 0)
+        assert args.keep_freed_memory is True
+        said = capsys.readouterr().out
+        assert (has in said) if has else not said, said  # the run header says why
     explicit = cli.resolve_device_defaults(Args(compute_dtype="bf16", chunk_tokens=0, tf32=False, num_workers=3,
                                                 keep_freed_memory=False), torch.device("cpu"))
     assert (explicit.compute_dtype, explicit.chunk_tokens, explicit.num_workers) == ("bf16", 0, 3)
     assert explicit.keep_freed_memory is False
     with pytest.raises(SystemExit, match="--tf32"):
         cli.resolve_device_defaults(Args(tf32=True), torch.device("cpu"))
+
+
+def test_the_cpu_bf16_probe_reads_the_kernels_flags(monkeypatch):
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    want = "amx_bf16" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else None
+    assert precision.cpu_bf16_matmul() == want
+    monkeypatch.delattr(torch.cpu, "get_capabilities")  # an older torch: /proc/cpuinfo itself
+    assert precision.cpu_bf16_matmul() == want
 
 
 def test_auto_defaults_on_cuda_are_bf16_compute_tf32_and_larger_chunks(monkeypatch):

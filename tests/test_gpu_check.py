@@ -28,6 +28,8 @@ def test_gpu_check_quick_parts_run_and_skip_what_needs_a_gpu(tmp_path):
     if torch.cuda.is_available():
         assert r["versions"]["accelerator"]["type"] == "cuda" and isinstance(r["throughput"], dict)
     else:
-        assert r["versions"]["auto"] == {"compute_dtype": "none", "tf32": False, "chunk_tokens": 1024,
-                                         "keep_freed_memory": True}
+        from retrieval_kit.precision import cpu_bf16_matmul
+
+        assert r["versions"]["auto"] == {"compute_dtype": "bf16" if cpu_bf16_matmul() else "none", "tf32": False,
+                                         "chunk_tokens": 1024, "keep_freed_memory": True}
         assert r["throughput"] == "skipped (no GPU)" and "skipped (no GPU)" in run.stdout
