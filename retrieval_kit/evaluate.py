@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from . import cli, dist, flags
+from . import cli, dist, flags, precision
 from .data import shard
 from .formats import read_corpus, read_qrels, read_queries
 from .encode import encode_shard, encode_sharded, score_pairs
@@ -238,6 +238,7 @@ def main(argv=None):
                          "dev-chosen weight, train_reranker.py --dev-biencoder, else 0.5: docs/pipeline.md)")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dirs")
     ap.add_argument("--output", default=None, help="write the metrics as JSON here")
+    precision.add_inference_dtype(ap)
     args = ap.parse_args(argv)
     if args.output:
         flags.check_writable_file("--output", args.output)
@@ -251,6 +252,7 @@ def main(argv=None):
     settings = biencoder_settings(model_dir, vars(args))
     tok = load_tokenizer(model_dir, args.trust_remote_code)
     enc = load_encoder(model_dir, torch.float32, args.trust_remote_code).to(ctx.device)
+    precision.autocast_forward(enc, ctx.device.type, precision.parse_dtype(args.compute_dtype))
     prepare_embedder(tok, enc, settings)  # a decoder: pad token, left padding, EOS for last pooling
     dims = args.truncate_dims if args.truncate_dims is not None else load_settings(model_dir).get("matryoshka_dims", [])
     size = embedding_size(enc)
@@ -263,6 +265,7 @@ def main(argv=None):
     results.update({f"biencoder@dim{d}": retrieval_metrics(r, beir[3]) for d, r in runs.items()})
     if args.reranker:
         rr, rr_tok, rr_settings = load_exported_reranker(args.reranker, torch.float32, args.trust_remote_code)
+        precision.autocast_forward(rr, ctx.device.type, precision.parse_dtype(args.compute_dtype))
         fusion = rr_settings.get("fusion") or {}  # chosen on the training run's dev set (--dev-biencoder)
         if args.rerank_weight is None and args.rerank_top_k is None and fusion and ctx.is_main:
             print(f"{args.reranker}: fusion weight {fusion['weight']:g}, top {fusion['top_k']}, as chosen on its dev set "

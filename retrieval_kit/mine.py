@@ -143,7 +143,7 @@ def main(argv=None):
     import os
     import shutil
 
-    from . import dist, flags
+    from . import dist, flags, precision
     from .records import read_records
     from .encode import encode_blocks
     from .score import check_parts, model_digest
@@ -176,6 +176,7 @@ def main(argv=None):
     ap.add_argument("--query-block", type=flags.positive_int, default=4096,
                     help="queries each rank sends to the search per round (default 4096): the embeddings a rank "
                          "holds are its shard of the queries and passages plus ranks x this many queries")
+    precision.add_inference_dtype(ap)
     ap.add_argument("--data-cache", default="auto", metavar="auto|off|DIR",
                     help="where the parsed --input, --corpus and --candidates are kept and mapped, as in training "
                          "(default auto: beside each file of 16 MiB and more)")
@@ -207,13 +208,15 @@ def main(argv=None):
     s = biencoder_settings(model_dir, vars(args))
     tok = load_tokenizer(model_dir)
     enc = load_encoder(model_dir).to(ctx.device)
+    precision.autocast_forward(enc, ctx.device.type, precision.parse_dtype(args.compute_dtype))
     prepare_embedder(tok, enc, s)  # a decoder: pad token, left padding, EOS for last pooling
     parts = args.out + ".parts"
     manifest = {"input": os.path.abspath(args.input), "input_digest": records.digest or file_digest(args.input),
                 **{f"{k}_digest": c.digest or file_digest(c.path) for k, c in (("corpus", corpus), ("candidates", cand))
                    if c is not None}, "model": os.path.abspath(model_dir), "model_digest": model_digest(model_dir),
                 "settings": {k: s[k] for k in sorted(s)}, "passages": len(texts), "queries": len(records),
-                "block_size": args.block_size, "batch_size": args.batch_size}  # the batch changes the padding
+                "block_size": args.block_size, "batch_size": args.batch_size,  # the batch changes the padding
+                **({"compute_dtype": args.compute_dtype} if args.compute_dtype != "none" else {})}
     manifest = json.loads(json.dumps(manifest))  # as it reads back
     if ctx.is_main:
         check_parts(parts, manifest)

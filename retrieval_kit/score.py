@@ -25,7 +25,7 @@ import shutil
 import torch
 from tqdm import tqdm
 
-from . import cli, dist, flags
+from . import cli, dist, flags, precision
 
 MANIFEST = "manifest.json"
 
@@ -153,6 +153,7 @@ def main(argv=None):
                     help="records per block: the unit of sharding over ranks and of resuming (default 64)")
     ap.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     ap.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dir")
+    precision.add_inference_dtype(ap)
     args = ap.parse_args(argv)
     flags.check_writable_file("--out", args.out)
     if os.path.exists(args.out) and not args.overwrite:
@@ -163,6 +164,7 @@ def main(argv=None):
     records, _ = read_records(args.input, corpus=corpus)
     dist.print0(records.summary)  # names the file
     scorer = Scorer(args.model, ctx.device, args.batch_size, args.trust_remote_code)
+    precision.autocast_forward(scorer.model, ctx.device.type, precision.parse_dtype(args.compute_dtype))
     parts = args.out + ".parts"
     from .formats import file_digest
 
@@ -170,7 +172,8 @@ def main(argv=None):
                 "model": os.path.abspath(args.model), "model_digest": model_digest(args.model),
                 "corpus": args.corpus and os.path.abspath(args.corpus),
                 "corpus_digest": args.corpus and file_digest(args.corpus), "records": len(records),
-                "block_size": args.block_size, "batch_size": args.batch_size}  # the batch changes the padding
+                "block_size": args.block_size, "batch_size": args.batch_size,  # the batch changes the padding
+                **({"compute_dtype": args.compute_dtype} if args.compute_dtype != "none" else {})}
     if ctx.is_main:
         check_parts(parts, manifest)
     dist.barrier()

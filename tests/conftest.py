@@ -9,6 +9,9 @@ from transformers import AutoTokenizer, BertConfig, BertModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# Every model here is a local dir: nothing in a test may wait on the Hugging Face hub (a network that
+# drops packets would turn a lookup into a long hang). Inherited by every process the tests start.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tests import warm  # noqa: E402
 

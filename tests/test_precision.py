@@ -76,3 +76,37 @@ def test_swapped_order_gives_bf16_moments_and_the_check_fires(tiny_model_dir, bf
     assert moment_dtypes(opt) == {torch.bfloat16}
     with pytest.raises(RuntimeError, match="model -> cast to storage dtype -> optimizer"):
         precision.check_optimizer_state_dtype(opt)
+
+
+def test_autocast_forward_computes_in_bf16_and_hands_back_fp32_embeddings_and_scores(tiny_model_dir, tokenizer):
+    """The inference tools' --compute-dtype bf16: the layers run in bf16 (seen by a hook), while the
+    embeddings come back pooled and normalized in fp32, close to the fp32 model's, and the reranker's
+    scores close to its fp32 scores."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from retrieval_kit.collate import PAIR
+    from retrieval_kit.encode import encode_texts, score_pairs
+    from retrieval_kit.models import CrossEncoder, load_encoder
+
+    texts = ["a short text", "a somewhat longer text about package managers and their caches", "x"] * 3
+    enc = load_encoder(tiny_model_dir).eval()
+    fp32 = encode_texts(enc, tokenizer, texts, 32)
+    half = precision.autocast_forward(copy.deepcopy(enc), "cpu", torch.bfloat16)
+    seen = []
+    half.encoder.layer[0].intermediate.dense.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    got = encode_texts(half, tokenizer, texts, 32)
+    assert seen and set(seen) == {torch.bfloat16}
+    assert got.dtype == torch.float32 and not torch.equal(got, fp32)
+    assert F.cosine_similarity(got, fp32).min() > 0.999
+    assert precision.autocast_forward(enc, "cpu", None) is enc and enc.forward.__func__ is type(enc).forward
+
+    torch.manual_seed(0)
+    rr = CrossEncoder(load_reranker(tiny_model_dir)).eval()
+    settings = {"prompt_template": PAIR, "rerank_max_length": 48, "append_eos": False, "padding_side": "right",
+                "pad_to_multiple_of": 8}
+    ref = score_pairs(rr, tokenizer, texts, texts[::-1], settings)
+    bf = score_pairs(precision.autocast_forward(rr, "cpu", torch.bfloat16), tokenizer, texts, texts[::-1], settings)
+    assert bf.dtype == torch.float32 and not torch.equal(bf, ref)
+    assert (bf - ref).abs().max() <= 0.02 * ref.abs().max().clamp_min(1e-3)
