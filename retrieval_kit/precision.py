@@ -82,7 +82,7 @@ def add_inference_dtype(parser):
     parser.add_argument("--compute-dtype", choices=("none", "bf16"), default="none",
                         help="bf16: the model's forwards under bf16 autocast (pooling, normalizing, search and "
                              "the reranker's head stay fp32): about 2x the texts/s on a GPU or a CPU with "
-                             "AVX512-BF16 or AMX, embeddings within ~1e-3 of fp32's (docs/evaluation.md); default "
+                             "AVX512-BF16 or AMX, embeddings within ~1e-3 of fp32's (docs/pipeline.md); default "
                              "none = fp32")
 
 
