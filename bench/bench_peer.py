@@ -1,5 +1,5 @@
 """The kit's training step against sentence-transformers' own trainer, in the same run, and the kit's
-useful FLOP/s against this CPU's fp32 matmul peak at the model's shapes.
+useful FLOP/s against this CPU's matmul peak at the model's shapes (fp32, or bf16 with --compute-dtype bf16).
 
     python bench/bench_peer.py                                        # default model and data, 16 x 2, 32/128 tokens
     python bench/bench_peer.py --train-file bench/data/train.jsonl --batch-size 32 --passage-max-length 256
@@ -23,8 +23,12 @@ with glibc's defaults; --fast-dropout runs the kit side with that flag.
 
 Useful FLOP/s: model FLOPs of the step on real (unpadded) tokens from the config - per token and
 layer 2 x (4H^2 + 2HI) for the projections and feed-forward, per sequence and layer 4 x len^2 x H for
-attention, x3 for forward + backward - divided by the step time, against the best fp32 matmul
-throughput torch reaches here on the model's feed-forward shapes.
+attention, x3 for forward + backward - divided by the step time, against the best matmul throughput
+torch reaches here on the model's feed-forward shapes, in the dtype the kit side computes in.
+
+--compute-dtype bf16 runs the kit side under bf16 autocast (its scripts' default on a CPU with
+AVX512-BF16 or AMX; fp32 master weights and moments); --st-compute-dtype bf16 gives
+sentence-transformers its own bf16=True. Both default to fp32.
 """
 
 import argparse
