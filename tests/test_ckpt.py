@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from retrieval_kit import ckpt
-from tests.conftest import process_tree, python_run, read_jsonl, ROOT, run_script  # noqa: F401 (process_tree: test_ranks, test_nodes)
+from tests.conftest import process_tree, python_run, read_jsonl, ROOT, run_script
 
 pytestmark = pytest.mark.slow  # every test here runs a script, a kill or a 2-rank launch
 

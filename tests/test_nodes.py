@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from tests.conftest import ROOT, run_script
-from tests.test_ckpt import STEPS, assert_same_run, bi_args, process_tree, wait_for_checkpoint
+from tests.conftest import process_tree
+from tests.test_ckpt import STEPS, assert_same_run, bi_args, wait_for_checkpoint
 
 pytestmark = pytest.mark.slow  # torchrun launches
 

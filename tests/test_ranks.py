@@ -11,7 +11,8 @@ import time
 import pytest
 
 from tests.conftest import ROOT
-from tests.test_ckpt import bi_args, process_tree, wait_for_checkpoint
+from tests.conftest import process_tree
+from tests.test_ckpt import bi_args, wait_for_checkpoint
 
 pytestmark = pytest.mark.slow  # 2-rank launches
 
