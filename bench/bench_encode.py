@@ -18,6 +18,7 @@ against this CPU's fp32 matmul peak at the model's shapes.
 """
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -61,12 +62,13 @@ def timed(sides, reps):
     return {k: (statistics.median(v), outs[k]) for k, v in times.items()}
 
 
-def bf16_side(name, args, fn):
-    """{name + " bf16": fn under bf16 autocast} when --compute-dtype bf16, else {}."""
-    def under_autocast():
-        with precision.autocast("cpu", torch.bfloat16):
-            return fn()
-    return {f"{name} bf16": under_autocast} if args.compute_dtype == "bf16" else {}
+def bf16_side(name, args, model, fn):
+    """{name + " bf16": fn(a copy of `model` whose forwards run under bf16 autocast, as the tools'
+    --compute-dtype bf16 runs them)} when --compute-dtype bf16, else {}."""
+    if args.compute_dtype != "bf16":
+        return {}
+    bf16 = precision.autocast_forward(copy.deepcopy(model), "cpu", torch.bfloat16)
+    return {f"{name} bf16": lambda: fn(bf16)}
 
 
 def report(title, n, unit, results, baseline, flops, peak):
@@ -107,8 +109,9 @@ def main():
                      texts, batch_size=args.batch_size, normalize_embeddings=True)),
                  "kit encode_texts": lambda: encode_texts(model, tok, texts, args.max_length,
                                                           batch_size=args.batch_size),
-                 **bf16_side("kit encode_texts", args, lambda: encode_texts(model, tok, texts, args.max_length,
-                                                                            batch_size=args.batch_size))}, args.reps)
+                 **bf16_side("kit encode_texts", args, model, lambda m: encode_texts(m, tok, texts, args.max_length,
+                                                                                     batch_size=args.batch_size))},
+                args.reps)
     lengths = [len(x) for x in tok(texts, max_length=args.max_length, truncation=True)["input_ids"]]
     peak = matmul_peak(config)
     kit = res["kit encode_texts"][1]
@@ -139,8 +142,8 @@ def main():
     res = timed({"sentence-transformers": lambda: torch.from_numpy(ce.predict(
                      pairs, batch_size=args.pair_batch_size)).float().flatten(),
                  "kit score_pairs": lambda: score_pairs(rr, rr_tok, qs, ps, saved, args.pair_batch_size),
-                 **bf16_side("kit score_pairs", args, lambda: score_pairs(rr, rr_tok, qs, ps, saved,
-                                                                          args.pair_batch_size))}, args.reps)
+                 **bf16_side("kit score_pairs", args, rr, lambda m: score_pairs(m, rr_tok, qs, ps, saved,
+                                                                                args.pair_batch_size))}, args.reps)
     layout = pair_layout(rr_tok)
     lengths = [int(collate_rerank(rr_tok, [q], [[p]], max_length=args.pair_max_length, layout=layout)
                    ["attention_mask"].sum()) for q, p in pairs]
