@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .data import TrainFile, mixture_quotas, steps_per_epoch
-from .formats import (DataError, detect_format, file_digest, json_type, jsonl_objects, raise_problems, read_corpus,
-                      unread_fields)
+from .formats import (DataError, detect_format, file_digest, gc_paused, json_type, jsonl_objects, raise_problems,
+                      read_corpus, unread_fields)
 from .textstore import Records, TextStore, digest
 
 
@@ -92,6 +92,7 @@ def parse_records_cached(path, corpus, cache):
     return records, info["format"], Counter(info["unread"]), tuple(info["one_word"])
 
 
+@gc_paused()
 def parse_records(path, corpus=None):
     """The parse phase of read_records: every line parsed by its format's parser and its docs
     resolved (ids through `corpus`), each distinct text stored once. Raises DataError listing every
@@ -104,8 +105,14 @@ def parse_records(path, corpus=None):
 
     def resolve():
         wanted = [doc for _, parsed in pending for doc in parsed[2] + parsed[3] if doc[0] == "id"]
-        found = iter(corpus.find([d for _, d in wanted]).tolist()) if wanted else None
+        found = corpus.find([d for _, d in wanted]).tolist() if wanted else None
+        at = 0
         for lineno, (query, prompt, pos, neg, pos_scores, neg_scores) in pending:
+            n = len(pos) + len(neg)
+            if found is not None and n and all(kind == "id" for kind, _ in pos + neg) and min(found[at:at + n]) >= 0:
+                ids, at = found[at:at + n], at + n  # every doc an id, every id found: the common case
+                records.add(lineno, query, ids[:len(pos)], ids[len(pos):], pos_scores, neg_scores, prompt)
+                continue
             ids, missing = [], []
             for kind, value in pos + neg:
                 if kind == "text":
@@ -115,7 +122,7 @@ def parse_records(path, corpus=None):
                         j = stored[key] = passages.add(value)
                         one_word[0] += not any(c.isspace() for c in value.strip())
                 else:
-                    j = next(found)
+                    j, at = found[at], at + 1
                     if j < 0:
                         missing.append(value)
                 ids.append(j)

@@ -373,6 +373,60 @@ def test_fuzz_mutated_corpora_load_or_name_their_line(tmp_path):
     assert raised > 100
 
 
+def _outcome(read, path):
+    """What reading `path` gives: the error's text, or every record's (or document's) contents."""
+    try:
+        got = read(path)
+    except DataError as e:
+        return "error", str(e)
+    if isinstance(got, tuple):  # read_records: (records, warnings)
+        records = got[0]
+        return "records", [repr((r.where, r.query, r.pos, r.neg, r.prompt, r.pos_scores, r.neg_scores))  # (NaN scores)
+                           for r in records]
+    return "corpus", [(got.ids[i], got.texts[i], got.lines[i]) for i in range(len(got))]
+
+
+def test_the_plain_record_fast_path_reads_what_the_full_checks_read(tmp_path, monkeypatch):
+    """A plain record or document (lists of ASCII strings that start with a letter or digit, nothing
+    optional) skips the per-field checks; every mutated file must read the same, record for record
+    and message for message, as with that path switched off."""
+    with open(os.path.join(ROOT, "data", "train.jsonl")) as f:
+        pool = [l for _, l in zip(range(300), f)]
+    rng = random.Random(29)
+    cases = []
+    for n in range(400):
+        what, blob, _ = mutations(rng, rng.sample(pool, 3))
+        path = tmp_path / f"m{n}.jsonl"
+        path.write_bytes(blob)
+        cases.append((lambda p: read_records(p, 2), str(path)))
+    base = {"query": "a query", "pos_doc": ["the positive"], "neg_doc": ["a negative", "another one"]}
+    for n, change in enumerate([{}, {"prompt": "Represent: "}, {"prompt": None}, {"pos_scores": [1.0]},
+                                {"pos_scores": [1.0], "neg_scores": [0.5, 0.2]}, {"neg_scores": None},
+                                {"question": "q"}, {"pos": ["p"]}, {"neg": ["n"]}, {"pos_doc": "one string"},
+                                {"pos_doc": []}, {"neg_doc": None}, {"neg_doc": []}, {"neg_doc": [{"text": "t"}]},
+                                {"query": "trailing "}, {"query": "é"}, {"neg_doc": ["ok", " lead"]}]):
+        obj = {**base, **change}
+        flag = {"query": obj.pop("query"), "pos": obj.pop("pos_doc"), "neg": obj.pop("neg_doc"), **obj} \
+            if "pos" not in change and "neg" not in change else None
+        for k, o in enumerate([{**base, **change}, flag]):
+            if o is not None:
+                path = write_jsonl(tmp_path / f"r{n}_{k}.jsonl", [base, o])
+                cases.append((lambda p: read_records(p, 2), path))
+    for n, (title, text, doc_id) in enumerate([("", "plain text", "d1"), (None, "plain", "x"), ("T", "t", "d"),
+                                               ("", " lead", "d"), ("", "text", " id"), ("", "é", "d"), (0, "t", "d"),
+                                               ("", "t\ud800", "d"), ("", "t", "\u200b"), ("", "t", 5),
+                                               ("", "trailing  ", "d")]):
+        path = write_jsonl(tmp_path / f"c{n}.jsonl", [{"_id": "a", "text": "first doc"},
+                                                      {"_id": doc_id, "title": title, "text": text}])
+        cases.append((formats.read_corpus, path))
+    fast = [_outcome(read, path) for read, path in cases]
+    monkeypatch.setattr(formats, "plain_text", lambda value: False)
+    slow = [_outcome(read, path) for read, path in cases]
+    assert fast == slow
+    kinds = [o[0] for o in fast]
+    assert kinds.count("error") > 100 and kinds.count("records") > 100 and kinds.count("corpus") >= 3, kinds
+
+
 @pytest.mark.parametrize("blob,says", [
     (b"PAR1\x15\x04\x15\x10\x15\x14L\x15\x02\x15\x00\x12\x00\x00" + b"\x00" * 40, "a Parquet file, not text"),
     (b'[{"query": "q", "pos_doc": ["p"], "neg_doc": ["n"]},\n {"query": "r", "pos_doc": ["p"]}]\n',
