@@ -8,6 +8,7 @@ and up to `k` of the rest are kept, best first.
 """
 
 
+import numpy as np
 import torch
 
 from .search import sharded_topk
@@ -64,7 +65,7 @@ def mine_hard_negatives(q_emb, p_emb, positives, k, skip_top=0, max_score_ratio=
 
 
 def mine_sharded(q_own, q_ids, p_shard, p_ids, n_total, positives, k, skip_top=0, max_score_ratio=0.95,
-                 p_texts=None, depth=None, block=4096, device="cpu"):
+                 p_texts=None, depth=None, block=4096, device="cpu", on_round=None):
     """mine_hard_negatives with queries and corpus both split over the ranks, as evaluation searches:
     each rank holds only its share of the query embeddings (`q_own`, the queries numbered `q_ids`)
     and of the passage embeddings (`p_shard`, the passages numbered `p_ids` of the n_total; both
@@ -74,7 +75,9 @@ def mine_sharded(q_own, q_ids, p_shard, p_ids, n_total, positives, k, skip_top=0
     the ranks that hold its positives. `positives`: every query's passage indices. Returns the
     negatives of this rank's queries (a list each, in q_ids order): the same as one process with
     everything, in the same order (ties by passage index). Embeddings held per rank: its two shares
-    and one round's queries."""
+    and one round's queries. `on_round(query numbers, their negatives)`, when given, is called on every
+    rank after each round with that round's results for this rank's queries (main() saves them, so a
+    killed run searches only what is left)."""
     import torch.distributed as tdist
 
     from .dist import rank as get_rank, world_size
@@ -118,9 +121,82 @@ def mine_sharded(q_own, q_ids, p_shard, p_ids, n_total, positives, k, skip_top=0
         top = by_score_then_id(*sharded_topk(q, p_shard, p_ids, depth, n_total, device))
         a = sum(sizes[:me])
         b = a + sizes[me]
-        out += filter_candidates(top[0][a:b], top[1][a:b], [positives[i] for i in ids[a:b].tolist()], best[a:b], k,
+        negs = filter_candidates(top[0][a:b], top[1][a:b], [positives[i] for i in ids[a:b].tolist()], best[a:b], k,
                                  skip_top, max_score_ratio, p_texts)
+        if on_round is not None and negs:
+            on_round(ids[a:b].tolist(), negs)
+        out += negs
     return out
+
+
+class CandidatePool:
+    """The candidate passages of `mine`: the documents of the corpora (textstore stores: mapped from
+    a data cache, the pages shared by the ranks), read only when asked, then the texts `positions`
+    added (positives no corpus holds). No Python string per passage: `pool[j]` reads text j. `keys`:
+    a 16-byte digest per text (equal texts, equal keys: the duplicate filter compares these)."""
+
+    def __init__(self, corpora):
+        from .textstore import DigestIndex, digest
+
+        self._digest, self._stores = digest, [(c.texts, len(c)) for c in corpora]
+        self._n = sum(n for _, n in self._stores)
+        self._extra, self._extra_at, self._extra_keys = [], {}, bytearray()
+        keys = b"".join(digest(store[i]) for store, n in self._stores for i in range(n))
+        self._index, self.keys = DigestIndex(keys), np.frombuffer(keys, dtype="S16")
+
+    def __len__(self):
+        return self._n + len(self._extra)
+
+    def __getitem__(self, j):
+        for store, n in self._stores:
+            if j < n:
+                return store[j]
+            j -= n
+        return self._extra[j]
+
+    def positions(self, texts):
+        """Each text's position: its last among the corpora's documents, else where it was added
+        (a text found nowhere is added at the end, once)."""
+        found = self._index.find(b"".join(self._digest(t) for t in texts), last=True).tolist()
+        for i, (t, j) in enumerate(zip(texts, found)):
+            if j < 0:
+                if t not in self._extra_at:
+                    self._extra_at[t] = len(self)
+                    self._extra.append(t)
+                    self._extra_keys += self._digest(t)
+                found[i] = self._extra_at[t]
+        if self._extra_keys:
+            self.keys = np.concatenate([self.keys[:self._n], np.frombuffer(bytes(self._extra_keys), dtype="S16")])
+        return found
+
+
+def saved_negatives(parts):
+    """{query number: negatives} of the search rounds an earlier run of the same command saved in
+    OUT.parts (a file whose checksum does not match is ignored: its queries are searched again)."""
+    import json
+    import os
+
+    from .encode import block_done
+
+    done = {}
+    for name in sorted(os.listdir(parts)) if os.path.isdir(parts) else []:
+        path = os.path.join(parts, name)
+        if name.startswith("negatives_") and name.endswith(".json") and block_done(path):
+            with open(path, encoding="utf-8") as f:
+                got = json.load(f)
+            done.update(zip(got["queries"], got["negatives"]))
+    return done
+
+
+def save_negatives(parts, query_numbers, negatives):
+    """One search round's results for one rank's queries, written whole into OUT.parts (encode.save_block)."""
+    import json
+    import os
+
+    from .encode import save_block, write_text
+
+    save_block(os.path.join(parts, f"negatives_{query_numbers[0]:09d}.json"),
+               lambda tmp: write_text(tmp, json.dumps({"queries": query_numbers, "negatives": negatives})))
 
 
 def main(argv=None):
@@ -134,11 +210,14 @@ def main(argv=None):
 
     Under torchrun each rank encodes its blocks of the passages and of the queries (--block-size
     texts; block b on rank b % world) and searches its passages for every rank's queries. Each block's
-    embeddings are saved in OUT.parts when done: a run killed and started again with the same command,
-    on any number of ranks, encodes only the blocks not yet saved (another input, model or settings
-    is refused, naming what differs). OUT.parts is removed once OUT is written.
+    embeddings, and each search round's negatives, are saved in OUT.parts when done: a run killed and
+    started again with the same command, on any number of ranks, encodes only the blocks not yet saved
+    and searches only for the queries not yet mined (another input, model or settings is refused,
+    naming what differs). OUT.parts is removed once OUT is written. The candidate texts are read from
+    the corpora's stores (mapped from the data cache, shared by the ranks), not held as strings.
     """
     import argparse
+    import functools
     import json
     import os
     import shutil
@@ -196,14 +275,10 @@ def main(argv=None):
     records, _ = read_records(args.input, corpus=corpus, cache=args.data_cache)
     dist.print0(records.summary)
     cand = read_corpus(args.candidates, args.data_cache) if args.candidates else None
-    pool = [c for c in (corpus, cand) if c is not None]
-    texts = [c.texts[i] for c in pool for i in range(len(c))]
-    index = {t: i for i, t in enumerate(texts)}
-    for r in records:  # positives join the candidate pool, so they can be recognised and skipped
-        for p in r.pos:
-            if p not in index:
-                index[p] = len(texts)
-                texts.append(p)
+    texts = CandidatePool([c for c in (corpus, cand) if c is not None])
+    n_pos = [len(r.pos) for r in records]  # positives join the candidate pool, so they can be recognised and skipped
+    flat = iter(texts.positions([p for r in records for p in r.pos]))
+    positives = [[next(flat) for _ in range(n)] for n in n_pos]
     model_dir = args.model or default_model_dir()
     s = biencoder_settings(model_dir, vars(args))
     tok = load_tokenizer(model_dir)
@@ -216,7 +291,9 @@ def main(argv=None):
                    if c is not None}, "model": os.path.abspath(model_dir), "model_digest": model_digest(model_dir),
                 "settings": {k: s[k] for k in sorted(s)}, "passages": len(texts), "queries": len(records),
                 "block_size": args.block_size, "batch_size": args.batch_size,  # the batch changes the padding
-                **({"compute_dtype": args.compute_dtype} if args.compute_dtype != "none" else {})}
+                **({"compute_dtype": args.compute_dtype} if args.compute_dtype != "none" else {}),
+                "search": {"k": args.k, "skip_top": args.skip_top, "max_score_ratio": args.max_score_ratio,
+                           "depth": args.depth}}  # the saved rounds' negatives depend on these
     manifest = json.loads(json.dumps(manifest))  # as it reads back
     if ctx.is_main:
         check_parts(parts, manifest)
@@ -232,10 +309,19 @@ def main(argv=None):
     dist.print0(f"candidates: {len(texts):,} passages, each rank encoding and searching its blocks of them for "
                 f"its blocks of the {len(records):,} queries ({ctx.world_size} rank{'s' if ctx.world_size > 1 else ''}"
                 f"; blocks of {args.block_size:,} in {parts}, kept until the file is written)")
-    negs = mine_sharded(q_own, q_ids, p_shard, p_ids, len(texts), [[index[p] for p in r.pos] for r in records],
-                        args.k, args.skip_top, args.max_score_ratio if args.max_score_ratio > 0 else None, texts,
-                        args.depth, args.query_block, ctx.device)
-    negs = list(zip(q_ids.tolist(), negs))
+    done = saved_negatives(parts)  # every rank, before any rank saves a round
+    dist.barrier()
+    if done:
+        dist.print0(f"the negatives of {len(done):,} of the {len(records):,} queries were saved in {parts} by an "
+                    "earlier run: searching for the rest")
+        left = torch.tensor([i not in done for i in q_ids.tolist()], dtype=torch.bool)
+        q_own, q_ids = q_own[left], q_ids[left]
+    with flags.writing(args.out, then=f"the blocks encoded and the rounds searched so far are kept in {parts}: free "
+                                      "space, then run the same command again"):
+        negs = mine_sharded(q_own, q_ids, p_shard, p_ids, len(texts), positives, args.k, args.skip_top,
+                            args.max_score_ratio if args.max_score_ratio > 0 else None, texts.keys, args.depth,
+                            args.query_block, ctx.device, functools.partial(save_negatives, parts))
+    negs = list(zip(q_ids.tolist(), negs)) + (list(done.items()) if ctx.is_main else [])
     if ctx.world_size > 1:  # rank 0 writes every rank's queries' negatives, in query order
         got = [None] * ctx.world_size
         torch.distributed.all_gather_object(got, negs)

@@ -85,12 +85,14 @@ class DigestIndex:
         same = np.nonzero(self._sorted[1:] == self._sorted[:-1])[0]
         return [(int(self._order[i]), int(self._order[i + 1])) for i in same]
 
-    def find(self, digests):
-        """Positions of the keys with these digests (one bytes object, 16 per key); -1 where absent."""
-        if not digests:
-            return np.zeros(0, dtype=np.int64)
+    def find(self, digests, last=False):
+        """Positions of the keys with these digests (one bytes object, 16 per key); -1 where absent.
+        A key given more than once: its first position (last=True: its last)."""
+        if not digests or not len(self._sorted):
+            return np.full(len(digests) // 16, -1, dtype=np.int64)
         want = np.frombuffer(bytes(digests), dtype="S16")
-        at = np.searchsorted(self._sorted, want).clip(max=len(self._sorted) - 1)
+        at = np.searchsorted(self._sorted, want, side="right" if last else "left") - (1 if last else 0)
+        at = at.clip(0, len(self._sorted) - 1)
         found = self._sorted[at] == want
         return np.where(found, self._order[at], -1)
 

@@ -21,6 +21,36 @@ def test_mining_window_and_false_negative_filter():
     assert mine_hard_negatives(q, p, [[0]], k=2, skip_top=1, max_score_ratio=None, p_texts=texts) == [[2, 3]]
 
 
+def test_the_candidate_pool_reads_and_finds_texts_as_a_list_and_a_dict_would(tmp_path):
+    """mine's CandidatePool (the corpora's stores, no string per passage) against the plain lists
+    it replaced: the same text at every position, a positive at its last position among the corpora
+    (a dict of text -> position built in order keeps the last), texts found nowhere added once at
+    the end, and equal keys exactly where the texts are equal (the duplicate filter's test)."""
+    from retrieval_kit.formats import read_corpus
+    from retrieval_kit.mine import CandidatePool
+
+    def corpus(name, texts):
+        with open(tmp_path / name, "w") as f:
+            f.writelines(json.dumps({"_id": f"{name}{i}", "text": t}) + "\n" for i, t in enumerate(texts))
+        return read_corpus(str(tmp_path / name))
+    a, b = ["one", "two", "one", "three", "é accent"], ["two", "four", "one"]
+    pool = CandidatePool([corpus("a", a), corpus("b", b)])
+    texts = a + b
+    index = {t: i for i, t in enumerate(texts)}
+    asked = ["one", "five", "two", "five", "six", "é accent", "four"]
+    want = []
+    for t in asked:
+        if t not in index:
+            index[t] = len(texts)
+            texts.append(t)
+        want.append(index[t])
+    assert pool.positions(asked) == want == [7, 8, 5, 8, 9, 4, 6]
+    assert len(pool) == len(texts) and [pool[j] for j in range(len(pool))] == texts
+    assert len(pool.keys) == len(texts)
+    assert all((pool.keys[i] == pool.keys[j]) == (texts[i] == texts[j]) for i in range(len(texts))
+               for j in range(len(texts)))
+
+
 @pytest.mark.slow
 def test_mine_entry_point(tiny_model_dir, small_beir, tmp_path):
     src = tmp_path / "in.jsonl"
@@ -96,11 +126,25 @@ encode.encode_texts = killing
 mine.main(sys.argv[1:])
 """
 
+KILLED_AFTER_TWO_ROUNDS = """
+import os, signal, sys
+from retrieval_kit import mine
+real, calls = mine.save_negatives, []
+def killing(*a, **k):
+    calls.append(1)
+    if len(calls) == 3:  # two search rounds' negatives saved, the third about to be
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*a, **k)
+mine.save_negatives = killing
+mine.main(sys.argv[1:])
+"""
+
 
 @pytest.mark.slow
 def test_mining_killed_then_resumed_on_two_ranks_writes_the_one_rank_file(tiny_model_dir, small_beir, tmp_path):
-    """A one-rank run killed after 2 of its blocks, resumed on 2 ranks: each rank reads or encodes its
-    blocks of the 69 candidates and searches them for every rank's queries, 2 per rank a round (the 9
+    """A one-rank run killed after 2 of its blocks, resumed on one rank and killed after 2 search rounds
+    (4 queries' negatives saved), resumed on 2 ranks: each rank reads or encodes its blocks of the 69
+    candidates and searches them for the queries left, 2 per rank a round (the 9
     queries are one block of 9, on rank 0: rank 1 has none to send, and searches for rank 0's); the file
     equals a one-rank run's in one go, line for line (batches of one text, so both worlds embed every
     text bitwise alike), with the false-negative filter on, whose best positive score may come from the
@@ -119,8 +163,17 @@ def test_mining_killed_then_resumed_on_two_ranks_writes_the_one_rank_file(tiny_m
     assert sorted(p.name for p in parts.glob("*.pt")) == ["passages_000000.pt", "passages_000001.pt"]
     other = python_run(["-m", "retrieval_kit.mine", *args[:-1], 8, "--out", tmp_path / "two.jsonl"])
     assert other.returncode == 1 and "block_size: 9 then, 8 now" in other.stderr, other.stderr[-2000:]
+    killed = subprocess.run([sys.executable, "-c", KILLED_AFTER_TWO_ROUNDS, *map(str, args), "--out",
+                             str(tmp_path / "two.jsonl")], cwd=ROOT, capture_output=True, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false"))
+    assert killed.returncode == -9, killed.stderr[-2000:]  # the encoding finished, two rounds of 2 queries saved
+    assert sorted(p.name for p in parts.glob("negatives_*.json")) == ["negatives_000000000.json",
+                                                                     "negatives_000000002.json"]
+    other = python_run(["-m", "retrieval_kit.mine", *args[:7], 4, *args[8:], "--out", tmp_path / "two.jsonl"])
+    assert other.returncode == 1 and "'k': 5" in other.stderr and "'k': 4" in other.stderr, other.stderr[-2000:]
     two = run_module(["-m", "retrieval_kit.mine", *args, "--out", tmp_path / "two.jsonl"], nproc=2)
     assert "(1 rank" in one.stdout and "(2 ranks" in two.stdout, two.stdout
+    assert "the negatives of 4 of the 9 queries were saved" in two.stdout, two.stdout
     assert read_jsonl(tmp_path / "two.jsonl") == read_jsonl(tmp_path / "one.jsonl")
     assert not parts.exists() and not (tmp_path / "one.jsonl.parts").exists()
     rows = read_jsonl(tmp_path / "one.jsonl")
