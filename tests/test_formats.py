@@ -389,7 +389,12 @@ def _outcome(read, path):
 def test_the_plain_record_fast_path_reads_what_the_full_checks_read(tmp_path, monkeypatch):
     """A plain record or document (lists of ASCII strings that start with a letter or digit, nothing
     optional) skips the per-field checks; every mutated file must read the same, record for record
-    and message for message, as with that path switched off."""
+    and message for message, as with that path switched off. The glance's premise: no character
+    Python calls alphanumeric is a control, format or space character (category C or Z)."""
+    import sys
+    import unicodedata
+
+    assert not [c for c in range(sys.maxunicode + 1) if chr(c).isalnum() and unicodedata.category(chr(c))[0] in "CZ"]
     with open(os.path.join(ROOT, "data", "train.jsonl")) as f:
         pool = [l for _, l in zip(range(300), f)]
     rng = random.Random(29)
