@@ -29,6 +29,25 @@ def test_digest_index_finds_what_a_dict_finds():
     assert sorted(dup.duplicates()) == [(0, 2), (1, 4)]
 
 
+def test_digest_index_finds_first_and_last_where_keys_share_their_first_8_bytes():
+    """find() searches the keys' first 8 bytes, then the whole key where a prefix is shared: keys
+    built to share prefixes (and to repeat) are found at the position a loop over them finds."""
+    rng = random.Random(2)
+    prefixes = [bytes(rng.randrange(256) for _ in range(8)) for _ in range(20)] + [b"\x00" * 8, b"\xff" * 8]
+    keys = [rng.choice(prefixes) + bytes([rng.randrange(3)]) + b"\x00" * 7 for _ in range(600)]  # (trailing NULs too)
+    index = DigestIndex(b"".join(keys))
+    probes = rng.sample(keys, 200) + [rng.choice(prefixes) + bytes([rng.randrange(3, 6)]) + b"\x00" * 7
+                                      for _ in range(60)] + [bytes(rng.randrange(256) for _ in range(16))
+                                                             for _ in range(20)]
+    rng.shuffle(probes)
+    first = [keys.index(k) if k in keys else -1 for k in probes]
+    last = [len(keys) - 1 - keys[::-1].index(k) if k in keys else -1 for k in probes]
+    assert index.find(b"".join(probes)).tolist() == first
+    assert index.find(b"".join(probes), last=True).tolist() == last
+    assert first != last and -1 in first  # repeated keys and absent ones were probed
+    assert DigestIndex().find(b"".join(probes[:3])).tolist() == [-1] * 3 and index.find(b"").tolist() == []
+
+
 def test_corpus_lookup_and_duplicate_lines():
     corpus = Corpus("c.jsonl")
     for line, (i, t) in enumerate([("d1", "one"), ("d2", "two"), ("d1", "again")], start=1):
