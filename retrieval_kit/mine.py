@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .search import sharded_topk
+from .textstore import DigestIndex, digest
 
 
 def by_score_then_id(scores, idx):
@@ -136,9 +137,7 @@ class CandidatePool:
     a 16-byte digest per text (equal texts, equal keys: the duplicate filter compares these)."""
 
     def __init__(self, corpora):
-        from .textstore import DigestIndex, digest
-
-        self._digest, self._stores = digest, [(c.texts, len(c)) for c in corpora]
+        self._stores = [(c.texts, len(c)) for c in corpora]
         self._n = sum(n for _, n in self._stores)
         self._extra, self._extra_at, self._extra_keys = [], {}, bytearray()
         keys = b"".join(digest(store[i]) for store, n in self._stores for i in range(n))
@@ -157,13 +156,13 @@ class CandidatePool:
     def positions(self, texts):
         """Each text's position: its last among the corpora's documents, else where it was added
         (a text found nowhere is added at the end, once)."""
-        found = self._index.find(b"".join(self._digest(t) for t in texts), last=True).tolist()
+        found = self._index.find(b"".join(digest(t) for t in texts), last=True).tolist()
         for i, (t, j) in enumerate(zip(texts, found)):
             if j < 0:
                 if t not in self._extra_at:
                     self._extra_at[t] = len(self)
                     self._extra.append(t)
-                    self._extra_keys += self._digest(t)
+                    self._extra_keys += digest(t)
                 found[i] = self._extra_at[t]
         if self._extra_keys:
             self.keys = np.concatenate([self.keys[:self._n], np.frombuffer(bytes(self._extra_keys), dtype="S16")])
