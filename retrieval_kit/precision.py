@@ -65,16 +65,73 @@ def resolve(torch_dtype, force_fp32_params, compute_dtype, parallel, lora=False)
 
 
 def autocast(device_type, dtype):
-    """autocast to `dtype` on `device_type`, or a no-op context when dtype is None.
+    """autocast to `dtype` on `device_type` with shared weight casts (SharedCasts), or a no-op
+    context when dtype is None.
 
-    Without autocast's cache of cast weights: with it, every use of a weight inside one context
-    shares one bf16 copy, so the weight's gradient is summed over the uses (queries and passages,
-    every chunk) in bf16 before it reaches the fp32 param. Measured on a tiny BERT: plain and
-    GradCache gradients 5.8e-4 apart (4.8e-2 for the reranker) with the cache, 1.6e-7 without
-    (tests/test_gradcache.py). The price is one cast of each weight per use."""
+    Without autocast's own cache of cast weights: with it, every use of a weight inside one context
+    shares one bf16 copy *and one autograd node*, so the weight's gradient is summed over the uses
+    (queries and passages, every chunk) in bf16 before it reaches the fp32 param. Measured on a tiny
+    BERT: plain and GradCache gradients 5.8e-4 apart (4.8e-2 for the reranker) with the cache, 1.6e-7
+    without (tests/test_gradcache.py). SharedCasts keeps the one copy but gives each use its own node."""
     if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype=dtype, cache_enabled=False)
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype, cache_enabled=False))
+    stack.enter_context(SharedCasts(device_type, dtype))
+    return stack
+
+
+class _CastUse(torch.autograd.Function):
+    """One use of a shared low-precision copy of `weight`: the forward hands back the copy (no new
+    memory); the backward casts this use's gradient to the weight's dtype, as autocast's own per-use
+    cast (`weight.to(bf16)`, a ToCopy node) does. The weight's gradient is then summed over its uses
+    in its own dtype, in the order the uses' nodes run - the same sums as with a cast per use."""
+
+    @staticmethod
+    def forward(ctx, weight, low):
+        ctx.dtype = weight.dtype
+        return low.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
+class SharedCasts(torch.overrides.TorchFunctionMode):
+    """Inside autocast: each fp32 weight that `F.linear` meets is cast to the autocast dtype once per
+    context, not once per use. Without it a step of 8 length chunks casts every linear weight 8 times
+    and keeps the 8 copies for the backward: 8 x 2 bytes a parameter (85 MB for MiniLM's reranker at
+    4 chunks; 16 GB a chunk for an 8B model). The numbers are bitwise those of a cast per use:
+    the copy's values are the same, and the gradient of each use is cast back to fp32 alone
+    (_CastUse) before the uses are summed (tests/test_precision.py). Other ops that autocast casts
+    (matmul, bmm, ...) and linears under torch.compile keep autocast's cast per use."""
+
+    def __init__(self, device_type, dtype):
+        super().__init__()
+        self.device_type, self.dtype, self.copies = device_type, dtype, {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear and len(args) > 1:
+            weight = args[1]
+            if (isinstance(weight, torch.nn.Parameter) and weight.dtype == torch.float32
+                    and weight.device.type == self.device_type and torch.is_autocast_enabled(self.device_type)
+                    and not torch.compiler.is_compiling()):
+                args = (args[0], self._use(weight)) + tuple(args[2:])
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc):
+        self.copies.clear()
+        return super().__exit__(*exc)
+
+    def _use(self, weight):
+        held = self.copies.get(id(weight))
+        if held is None or held[0] is not weight:
+            with torch.no_grad():
+                held = self.copies[id(weight)] = (weight, weight.to(self.dtype))
+        if weight.requires_grad and torch.is_grad_enabled():
+            return _CastUse.apply(weight, held[1])
+        return held[1]
 
 
 def add_inference_dtype(parser):

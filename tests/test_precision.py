@@ -110,3 +110,59 @@ def test_autocast_forward_computes_in_bf16_and_hands_back_fp32_embeddings_and_sc
     bf = score_pairs(precision.autocast_forward(rr, "cpu", torch.bfloat16), tokenizer, texts, texts[::-1], settings)
     assert bf.dtype == torch.float32 and not torch.equal(bf, ref)
     assert (bf - ref).abs().max() <= 0.02 * ref.abs().max().clamp_min(1e-3)
+
+
+def chunked_step(net, cast):
+    """Forward three chunks of different lengths under `cast`, backward of one loss over them (the
+    plain step's shape); (loss, {name: grad}, {saved bf16 storages by shape})."""
+    saved = {}
+
+    def keep(t):
+        if t.dtype == torch.bfloat16:
+            saved.setdefault(tuple(t.shape), set()).add(t.untyped_storage().data_ptr())
+        return t
+
+    net.zero_grad()
+    torch.manual_seed(1)  # the same dropout masks both ways
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), cast():
+        logits = [net(input_ids=torch.randint(5, 100, (rows, n))).logits for rows, n in ((2, 23), (3, 11), (4, 6))]
+    loss = sum(x.float().pow(2).sum() for x in logits)
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in net.named_parameters()}, saved
+
+
+def test_shared_weight_casts_give_the_per_use_casts_numbers_and_keep_one_copy(tiny_model_dir):
+    """precision.autocast casts each linear weight to bf16 once per context (SharedCasts), not once
+    per chunk, and keeps one copy for the backward; the loss and every gradient are bitwise those of
+    torch's autocast with a cast per use. A shared copy behind one autograd node (autocast's own
+    cache) sums the uses' gradients in bf16 and fails the gradient check."""
+    net = load_reranker(tiny_model_dir).train()
+    linears = {tuple(m.weight.shape): 0 for m in net.modules() if isinstance(m, torch.nn.Linear)}
+    for m in net.modules():
+        if isinstance(m, torch.nn.Linear) and m is not net.classifier:  # the head computes in fp32
+            linears[tuple(m.weight.shape)] += 1
+    per_use = chunked_step(net, lambda: torch.autocast("cpu", torch.bfloat16, cache_enabled=False))
+    shared = chunked_step(net, lambda: precision.autocast("cpu", torch.bfloat16))
+    assert torch.equal(per_use[0], shared[0])
+    assert all(torch.equal(per_use[1][k], shared[1][k]) for k in per_use[1]), \
+        [k for k in per_use[1] if not torch.equal(per_use[1][k], shared[1][k])]
+    for shape, n in linears.items():  # bf16 weight copies kept: one per weight, against one per chunk
+        if n:
+            assert len(shared[2][shape]) == n and len(per_use[2][shape]) == 3 * n, shape
+    cached = chunked_step(net, lambda: torch.autocast("cpu", torch.bfloat16, cache_enabled=True))
+    assert not all(torch.equal(per_use[1][k], cached[1][k]) for k in per_use[1])  # the test can tell
+
+
+def test_shared_weight_casts_without_grad_and_inside_a_disabled_region(tiny_model_dir):
+    """Under no_grad (validation, inference) the shared copy serves every chunk as is; a region
+    with autocast off (the fp32 head) is left alone."""
+    net = load_reranker(tiny_model_dir).eval()
+    ids = torch.randint(5, 100, (3, 9))
+    with torch.no_grad():
+        with torch.autocast("cpu", torch.bfloat16, cache_enabled=False):
+            want = [net(input_ids=ids).logits for _ in range(2)]
+        with precision.autocast("cpu", torch.bfloat16):
+            got = [net(input_ids=ids).logits for _ in range(2)]
+            with torch.autocast("cpu", enabled=False):
+                fp32 = torch.nn.functional.linear(torch.ones(1, 32), net.classifier.weight)
+    assert all(torch.equal(a, b) for a, b in zip(want, got)) and fp32.dtype == torch.float32
