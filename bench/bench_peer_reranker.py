@@ -2,6 +2,7 @@
 
     python bench/bench_peer_reranker.py                                   # 8 queries x (1 + 3), pairs up to 512 tokens
     python bench/bench_peer_reranker.py --batch-size 4 --n-passages 4     # train_reranker.py's defaults
+    python bench/bench_peer_reranker.py --compute-dtype bf16 --grad-cache # the kit's memory-flat step
 
 Both sides train a one-logit cross-encoder from all-MiniLM-L6-v2 (a fresh head) on the same groups of
 data/train.jsonl, in the same order: each query with its positive and n-1 hard negatives, the listwise
@@ -39,16 +40,17 @@ from retrieval_kit.models import CrossEncoder, default_model_dir, load_reranker 
 def make_kit(model_dir, args, ctx):
     """train_reranker.py's step with its default flags: step(inputs) on one collated micro-batch."""
     net = load_reranker(model_dir, attention_dropout=args.attention_dropout, fast_dropout=args.fast_dropout).train()
-    model, _ = dist.wrap(CrossEncoder(net), net, ctx)
+    model, _ = dist.wrap(CrossEncoder(net), net, ctx, activation_checkpointing=args.activation_checkpointing)
     opt = optim.build_optimizer(optim.param_groups(net, 0.01), 2e-5)
     sched = optim.build_scheduler(opt, 0, 1000)
     state = loop.LoopState()
     loss_fn = functools.partial(reranker_loss, n_passages=args.n_passages, loss=RERANK_LOSSES["listwise"])
     autocast = (ctx.device.type, torch.bfloat16 if args.compute_dtype == "bf16" else None)
+    fwd_bwd = loop.grad_cache_step if args.grad_cache else loop.plain_step
 
     def step(inputs):
         sums = loop.StepSums(ctx.device)
-        sums.add(inputs, *loop.plain_step(model, inputs, loss_fn, 1, True, autocast=autocast))
+        sums.add(inputs, *fwd_bwd(model, inputs, loss_fn, 1, True, autocast=autocast))
         loop.finish_step(model, opt, sched, state, sums, False, 1.0, 5)
     return step
 
@@ -84,6 +86,8 @@ def main():
     ap.add_argument("--steps", type=int, default=6, help="timed steps per block")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each block")
     ap.add_argument("--blocks", type=int, default=2, help="blocks per side, alternating kit and st (default 2)")
+    ap.add_argument("--grad-cache", action="store_true", help="the kit side with --grad-cache (memory flat in the batch)")
+    ap.add_argument("--activation-checkpointing", action="store_true", help="the kit side with --activation-checkpointing")
     add_kit_args(ap)
     args = ap.parse_args()
     from transformers import AutoConfig, AutoTokenizer
@@ -112,7 +116,9 @@ def main():
             f"length {args.max_length} (mean pair {float(sum(lengths)) / len(lengths):.0f} tokens), {args.train_file}, "
             f"{args.blocks * args.steps} timed steps per side, threads {torch.get_num_threads()}, kit --chunk-tokens "
             f"{args.chunk_tokens}, attention dropout "
-            f"{'as configured' if args.attention_dropout is None else args.attention_dropout}{kit_settings(args)}")
+            f"{'as configured' if args.attention_dropout is None else args.attention_dropout}{kit_settings(args)}"
+            f"{', kit --grad-cache' if args.grad_cache else ''}"
+            f"{', kit --activation-checkpointing' if args.activation_checkpointing else ''}")
     dist.cleanup()
 
 
