@@ -202,13 +202,14 @@ def test_chaos_random_sigkills_then_resume_until_done_is_bitwise_equal(finished,
     args = base_args(tiny_model_dir, small_train_file, folder)
     args[args.index("--ckpt-every") + 1] = "1"
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)
-    rng, kills = random.Random(11), 0
-    for attempt in range(12):
+    rng, kills, clock = random.Random(11), 0, RUN_SECONDS[0]
+    for attempt in range(16):
         cmd = [sys.executable, os.path.join(ROOT, "train_biencoder.py")] + [str(a) for a in args] + \
             (["--resume", "auto"] if attempt else [])
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        t0 = time.perf_counter()
         try:
-            out, err = proc.communicate(timeout=rng.uniform(0.3, 1.0) * RUN_SECONDS[0] if kills < 4 else 300)
+            out, err = proc.communicate(timeout=rng.uniform(0.3, 1.0) * clock if kills < 4 else 300)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGKILL)
             proc.communicate()
@@ -216,9 +217,14 @@ def test_chaos_random_sigkills_then_resume_until_done_is_bitwise_equal(finished,
             time.sleep(0.1)
             continue
         assert proc.returncode == 0, err[-3000:]
+        if kills < 2:  # it ran faster than the reference run did (that one shared the CPU): start over on
+            clock = min(clock, time.perf_counter() - t0)  # this run's own clock
+            shutil.rmtree(folder)
+            kills = 0
+            continue
         break
     else:
-        pytest.fail("the run never finished")
+        pytest.fail("the run never finished after 2 kills")
     assert kills >= 2, kills  # most draws land before the run's end
     assert not any(d.endswith(".partial") for d in os.listdir(folder))
     assert sha(folder / "final" / "model.safetensors") == sha(finished / "final" / "model.safetensors")
