@@ -13,10 +13,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-# Imported before any process group exists, on purpose: its collectives take `group=group.WORLD`
-# as a default argument, so importing it after init_process_group keeps the world group alive in
-# ten function defaults past destroy_process_group (see release_at_exit).
-import torch.distributed.nn.functional  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -154,8 +150,9 @@ def release_at_exit():
     main() has returned, so the model and optimizer are gone by then.
 
     destroy_process_group alone does not free them while Python objects still hold the group:
-    DTensor's sharding caches keep every FSDP2 DeviceMesh (and its group) alive, and so did the
-    function defaults above. A group freed later, during interpreter teardown, aborted a finished
+    DTensor's sharding caches keep every FSDP2 DeviceMesh (and its group) alive (and so did the
+    `group=group.WORLD` defaults of torch.distributed.nn.functional, imported after init, before the
+    gathers moved to the functional collectives). A group freed later, during interpreter teardown, aborted a finished
     2-rank FSDP2 run in CI ("terminate called without an active exception", SIGABRT, exit -6
     after the export had been written). tests/test_dist.py checks no gloo thread is left."""
     import gc
@@ -246,7 +243,19 @@ def gather_with_grad(t):
     """
     if world_size() == 1:
         return t
-    return torch.cat(torch.distributed.nn.functional.all_gather(t), dim=0)
+    return _all_gather_autograd(t.contiguous(), 0, dist.group.WORLD)
+
+
+def _functional_all_gather():
+    """torch's supported all-gather with a backward (a reduce-scatter of the gradients, summed):
+    `all_gather_single_autograd` from torch 2.13 on, `all_gather_tensor_autograd` before (2.13
+    deprecates it, and `torch.distributed.nn.functional.all_gather`, with a FutureWarning)."""
+    from torch.distributed import _functional_collectives as fc
+
+    return getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+
+
+_all_gather_autograd = _functional_all_gather()
 
 
 def enable_activation_checkpointing(model):
