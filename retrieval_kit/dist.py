@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+# Imported before any process group exists, on purpose: its collectives take `group=group.WORLD`
+# as a default argument, and torch imports it on the way to FSDP2 / DTensor; imported after
+# init_process_group it keeps the world group alive in ten function defaults past
+# destroy_process_group (see release_at_exit). The kit no longer calls it (gather_with_grad).
+import torch.distributed.nn.functional  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -150,9 +155,8 @@ def release_at_exit():
     main() has returned, so the model and optimizer are gone by then.
 
     destroy_process_group alone does not free them while Python objects still hold the group:
-    DTensor's sharding caches keep every FSDP2 DeviceMesh (and its group) alive (and so did the
-    `group=group.WORLD` defaults of torch.distributed.nn.functional, imported after init, before the
-    gathers moved to the functional collectives). A group freed later, during interpreter teardown, aborted a finished
+    DTensor's sharding caches keep every FSDP2 DeviceMesh (and its group) alive, and so did the
+    function defaults above. A group freed later, during interpreter teardown, aborted a finished
     2-rank FSDP2 run in CI ("terminate called without an active exception", SIGABRT, exit -6
     after the export had been written). tests/test_dist.py checks no gloo thread is left."""
     import gc
@@ -243,19 +247,28 @@ def gather_with_grad(t):
     """
     if world_size() == 1:
         return t
-    return _all_gather_autograd(t.contiguous(), 0, dist.group.WORLD)
+    return _GatherWithGrad.apply(t.contiguous())
 
 
-def _functional_all_gather():
-    """torch's supported all-gather with a backward (a reduce-scatter of the gradients, summed):
-    `all_gather_single_autograd` from torch 2.13 on, `all_gather_tensor_autograd` before (2.13
-    deprecates it, and `torch.distributed.nn.functional.all_gather`, with a FutureWarning)."""
-    from torch.distributed import _functional_collectives as fc
+class _GatherWithGrad(torch.autograd.Function):
+    """all_gather forward; backward: the gradients of the gathered tensor summed over ranks (all_reduce),
+    of which each rank keeps its own slice - d(sum of every rank's loss) / d(this rank's rows). Written
+    on the plain collectives (gloo and NCCL alike): torch.distributed.nn.functional.all_gather is
+    deprecated (a FutureWarning at every 2-rank run), and the functional collectives' autograd gather
+    keeps the process group alive past destroy_process_group (gloo's threads then outlive main)."""
 
-    return getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+    @staticmethod
+    def forward(ctx, t):
+        parts = [torch.empty_like(t) for _ in range(world_size())]
+        dist.all_gather(parts, t)
+        ctx.rows = t.shape[0]
+        return torch.cat(parts, dim=0)
 
-
-_all_gather_autograd = _functional_all_gather()
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)  # (autograd may hand the same buffer elsewhere)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad[rank() * ctx.rows:(rank() + 1) * ctx.rows]
 
 
 def enable_activation_checkpointing(model):
