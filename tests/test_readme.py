@@ -101,6 +101,19 @@ def test_every_command_in_the_docs_runs_a_program_that_exists_with_flags_it_acce
     assert checked >= 20 and not bad, "\n".join(bad)
 
 
+def test_ci_runs_the_readmes_two_commands_as_written():
+    """CI can be green only where the README's two commands are: .ci/run holds each command line of the
+    README's "Two commands" block, in order (and nothing installs an extra the README's line does not)."""
+    block = re.search(r"## Two commands\n.*?```bash\n(.*?)```", read(os.path.join(ROOT, "README.md")), re.S).group(1)
+    readme = [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    ci = [line for line in read(os.path.join(ROOT, ".ci", "run")).splitlines()
+          if line.strip() and not line.startswith("#")]
+    assert len(readme) == 2 and "pip install" in readme[0] and readme[1].startswith("python -m pytest")
+    run = [line for line in ci if line in readme]
+    assert run == readme, (readme, ci)
+    assert not [line for line in ci if "pip install" in line and line not in readme], ci
+
+
 def test_links_point_at_files_that_exist():
     bad = []
     for path in DOCS:

