@@ -61,7 +61,7 @@ def run_layout(tokenizer, template, append_eos, max_length, config, multiple):
     check_max_lengths(config, tokenizer, {"--rerank-max-length": max_length}, multiple)
     try:
         layout = pair_layout(tokenizer, template, append_eos)
-        layout.encode([], [], max_length)
+        layout.check(max_length)
         return layout
     except ValueError as e:
         raise SystemExit(str(e)) from None
@@ -218,7 +218,7 @@ def main():
                                             "loss": args.loss, "head": args.head, "lm_token_ids": lm_ids,
                                             "selected": selected, "fusion": fusion, **tok_settings}, args.trust_remote_code,
                     card=model_card("reranker", model_dir, args.train_mixture, state.step, cli.loss_summary(args),
-                                    logger.last))
+                                    logger.last), seq_cls=args.export_seq_cls)  # --export-seq-cls: also final/seq_cls
     loop.end_run(logger, f"exported the reranker to {final}")
 
 

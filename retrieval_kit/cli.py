@@ -519,6 +519,10 @@ def reranker_parser(description=None):
               "Qwen3-Reranker, FlagEmbedding's LLM rerankers); left padding")
     flag(g, "--lm-tokens", type=flags.listed(str), default=["yes", "no"],
          help="--head lm: the true and false words, one token each (default yes,no)")
+    flag(g, "--export-seq-cls", action="store_true", neutral=True,
+         help="--head lm: also write final/seq_cls/, a *ForSequenceClassification dir whose one logit is "
+              "logit(true) - logit(false) (the score row = the difference of the two LM-head rows), which "
+              "AutoModelForSequenceClassification, CrossEncoder and seq-cls servers read")
     add_reranker_loss_args(p.add_argument_group("loss"), RERANK_LOSSES)
     add_optim_args(p, lr=2e-4, max_steps=60, warmup_steps=6)
     add_precision_args(p)
@@ -565,6 +569,8 @@ def parse(parser, argv=None):
     if getattr(args, "rerank_max_length", None) and bool(args.dev_queries) != bool(args.dev_biencoder):
         raise SystemExit("--dev-queries and --dev-biencoder go together: the reranker's dev set is retrieved by a "
                          "bi-encoder export, then reranked")
+    if getattr(args, "export_seq_cls", False) and args.head != "lm":
+        raise SystemExit("--export-seq-cls: only with --head lm (a classifier head's export is a seq-cls dir already)")
     if not args.lora_rank:
         for name in ("lora_alpha", "export_adapter"):
             if getattr(args, name):

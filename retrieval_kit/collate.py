@@ -111,25 +111,42 @@ def special_tokens_around(tokenizer):
     return full[:i], full[i + len(bare):]
 
 
-class PairLayout:
-    """How one (query, passage) pair becomes token ids: fixed id runs around a query slot and a passage slot.
+_warned = set()
 
-    `pair_layout(tokenizer, PAIR)` is the tokenizer's own pair encoding (`[CLS] q [SEP] p [SEP]` with
-    token type ids 0 / 1 for BERT), found by encoding a probe pair; `pair_layout(tokenizer, template)`
-    puts the template's literal text around the query and passage inside the tokenizer's
-    single-sequence specials (type ids 0). Query, passage and each literal piece are tokenized on
-    their own, which is how a tokenizer encodes a pair; so an export whose tokenizer carries this
-    layout as its pair post-processor (`pair_post_processor`) encodes `tokenizer(query, passage)`
-    to the very same ids.
+
+def warn_once(key, message):
+    """Print `message` to stderr the first time `key` is seen in this process."""
+    import sys
+
+    if key not in _warned:
+        _warned.add(key)
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+QUERY_CUT = ("a query alone takes more than --rerank-max-length {} tokens in its pair: its end is cut and "
+             "its passage dropped (said once)")
+
+
+class PairLayout:
+    """The tokenizer's own pair encoding (`--prompt-template pair`): fixed id runs around a query slot
+    and a passage slot, found by encoding a probe pair (`[CLS] q [SEP] p [SEP]` with token type ids
+    0 / 1 for BERT), the query and the passage each tokenized on their own, as a tokenizer encodes a
+    pair; so `tokenizer(query, passage)` gives the same ids (with an appended EOS, the export's pair
+    post-processor adds it: `pair_post_processor`).
     """
 
-    def __init__(self, segments, with_types, eos_id=None):
+    def __init__(self, tokenizer, segments, with_types, eos_id=None):
+        self.tokenizer = tokenizer
         self.segments = segments  # [("ids", ids, types) | ("query", None, type) | ("passage", None, type)]
         self.with_types = with_types
         if eos_id is not None:  # appended after everything, with the type id of the last token
             last = next((s[2][-1] if s[0] == "ids" else s[2]) for s in reversed(segments) if s[0] != "ids" or s[1])
             self.segments = segments + [("ids", [eos_id], [last])]
         self.n_fixed = sum(len(s[1]) for s in self.segments if s[0] == "ids")
+
+    def check(self, max_length):
+        """One sentence when the fixed tokens alone leave no room for text at `max_length`."""
+        self.encode([], [], max_length)
 
     def encode(self, q_ids, p_ids, max_length):
         """(ids, type ids) of one pair at most `max_length` long. The passage is cut first; the query
@@ -139,6 +156,8 @@ class PairLayout:
             raise ValueError(f"--rerank-max-length {max_length} leaves no room for text: the template and special "
                              f"tokens alone take {self.n_fixed} tokens")
         if len(q_ids) >= budget:
+            if len(q_ids) > budget:
+                warn_once("query", QUERY_CUT.format(max_length))
             q_ids, p_ids = q_ids[:budget], []
         else:
             p_ids = p_ids[:budget - len(q_ids)]
@@ -153,33 +172,103 @@ class PairLayout:
                 types += [t] * len(part)
         return ids, types
 
+    def encode_pairs(self, queries, passages, max_length):
+        """[(ids, type ids)] of the pairs (queries[i], passages[i])."""
+        q_ids = tokenize_bare(self.tokenizer, queries, max_length)
+        p_ids = tokenize_bare(self.tokenizer, passages, max_length)
+        return [self.encode(q, p, max_length) for q, p in zip(q_ids, p_ids)]
+
+
+class TemplateLayout:
+    """A prompt template rendered as the model's own tools render it: the query and the passage put
+    into the template's text, the string tokenized as one (so byte-level BPE merges across each seam
+    as it does for a user who formats the string and calls the tokenizer), inside the tokenizer's
+    single-sequence special tokens (and an appended EOS).
+
+    Too long for `max_length`: the passage's end is cut first; should the query alone not fit, the
+    tokens just before the template's tail (the query's end, then the text between it and the
+    passage) go next, with one warning. The tail - the tokens after the last slot, such as the
+    assistant prefix an LM head scores after - is never cut. For a template whose passage comes last
+    this is `ids[:max_length - len(tail)] + tail`: what sentence-transformers does to a chat-template
+    pair (it restores the suffix after truncating) and what Qwen3-Reranker's reference code does
+    (prefix + the body cut to fit + suffix).
+    """
+
+    def __init__(self, tokenizer, template, eos_id=None):
+        self.tokenizer = tokenizer
+        self.template = template
+        self.pieces = parse_template(template)
+        self.with_types = "token_type_ids" in tokenizer.model_input_names
+        self.before, after = special_tokens_around(tokenizer)
+        self.after = after + ([eos_id] if eos_id is not None else [])
+        self.n_fixed = len(self.encode_pairs([""], [""], None)[0][0])
+
+    def render(self, query, passage):
+        """(text, (query start, end), (passage start, end)): the template with both filled in, and
+        where each lies in it (characters)."""
+        text, spans = "", {}
+        for kind, piece in self.pieces:
+            value = piece if kind == "text" else (query if kind == "query" else passage)
+            if kind != "text":
+                spans[kind] = (len(text), len(text) + len(value))
+            text += value
+        return text, spans["query"], spans["passage"]
+
+    def check(self, max_length):
+        if max_length - self.n_fixed < 1:
+            raise ValueError(f"--rerank-max-length {max_length} leaves no room for text: the template and special "
+                             f"tokens alone take {self.n_fixed} tokens")
+
+    def encode_pairs(self, queries, passages, max_length):
+        """[(ids, type ids)] of the pairs (queries[i], passages[i]), each at most `max_length` long
+        (None: uncut)."""
+        rendered = [self.render(q, p) for q, p in zip(queries, passages)]
+        enc = self.tokenizer([r[0] for r in rendered], add_special_tokens=False, return_offsets_mapping=True,
+                             verbose=False)
+        out = []
+        for (text, q_span, p_span), ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"]):
+            if max_length is not None:
+                ids = self._cut(ids, offsets, q_span, p_span, max_length - len(self.before) - len(self.after))
+            ids = self.before + ids + self.after
+            out.append((ids, [0] * len(ids)))
+        return out
+
+    def _cut(self, ids, offsets, q_span, p_span, room):
+        excess = len(ids) - room
+        if excess <= 0:
+            return ids
+        first_after = lambda char: next((i for i, (a, _) in enumerate(offsets) if a >= char), len(ids))  # noqa: E731
+        p_first = first_after(p_span[0])  # the passage's tokens: [p_first, p_end)
+        p_end = max(p_first, first_after(p_span[1]))
+        k = min(excess, p_end - p_first)
+        tail = first_after(max(q_span[1], p_span[1]))  # the tokens after the last slot: never cut
+        ids = ids[:p_end - k] + ids[p_end:]
+        tail -= k if tail >= p_end else 0  # (a passage before the query: the tail moved by k)
+        rest = excess - k
+        if rest > 0:  # the query alone does not fit: its end (and what stands between it and the tail) goes
+            warn_once("query", QUERY_CUT.format(room + len(self.before) + len(self.after)))
+            ids = ids[:tail - rest] + ids[tail:]
+        return ids
+
 
 def pair_layout(tokenizer, template=PAIR, append_eos=False):
-    """The PairLayout of `template` (PAIR or a string with {query} and {passage}) for `tokenizer`."""
+    """The layout of `template` for `tokenizer`: PairLayout for PAIR (the tokenizer's pair encoding),
+    TemplateLayout for a string with {query} and {passage}."""
     eos = tokenizer.eos_token_id if append_eos else None
+    if template != PAIR:
+        return TemplateLayout(tokenizer, template, eos)
     with_types = "token_type_ids" in tokenizer.model_input_names
-    if template == PAIR:
-        qa, pb = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("x", "y"))
-        enc = tokenizer("x", "y", return_token_type_ids=True)
-        full, ftypes = enc["input_ids"], enc["token_type_ids"]
-        i = _find(full, qa)
-        j = _find(full, pb, i + len(qa)) if i >= 0 else -1
-        if j < 0:
-            raise ValueError(f"{type(tokenizer).__name__}: cannot locate the query and passage in its pair encoding")
-        seg = lambda a, b: ("ids", full[a:b], ftypes[a:b])  # noqa: E731
-        segments = [seg(0, i), ("query", None, ftypes[i]), seg(i + len(qa), j), ("passage", None, ftypes[j]),
-                    seg(j + len(pb), len(full))]
-        return PairLayout(segments, with_types, eos)
-    prefix, suffix = special_tokens_around(tokenizer)
-    segments = [("ids", prefix, [0] * len(prefix))]
-    for kind, text in parse_template(template):
-        if kind == "text":
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            segments.append(("ids", ids, [0] * len(ids)))
-        else:
-            segments.append((kind, None, 0))
-    segments.append(("ids", suffix, [0] * len(suffix)))
-    return PairLayout(segments, with_types, eos)
+    qa, pb = (tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("x", "y"))
+    enc = tokenizer("x", "y", return_token_type_ids=True)
+    full, ftypes = enc["input_ids"], enc["token_type_ids"]
+    i = _find(full, qa)
+    j = _find(full, pb, i + len(qa)) if i >= 0 else -1
+    if j < 0:
+        raise ValueError(f"{type(tokenizer).__name__}: cannot locate the query and passage in its pair encoding")
+    seg = lambda a, b: ("ids", full[a:b], ftypes[a:b])  # noqa: E731
+    segments = [seg(0, i), ("query", None, ftypes[i]), seg(i + len(qa), j), ("passage", None, ftypes[j]),
+                seg(j + len(pb), len(full))]
+    return PairLayout(tokenizer, segments, with_types, eos)
 
 
 def tokenize_bare(tokenizer, texts, max_length):
@@ -188,10 +277,9 @@ def tokenize_bare(tokenizer, texts, max_length):
 
 
 def encode_pair(tokenizer, query, passage, template=PAIR, max_length=512, append_eos=False, layout=None):
-    """Token ids of one (query, passage) pair, at most `max_length` long (PairLayout.encode)."""
+    """Token ids of one (query, passage) pair, at most `max_length` long."""
     layout = layout or pair_layout(tokenizer, template, append_eos)
-    q, p = tokenize_bare(tokenizer, [query, passage], max_length)
-    return layout.encode(q, p, max_length)[0]
+    return layout.encode_pairs([query], [passage], max_length)[0][0]
 
 
 def collate_rerank(tokenizer, queries, groups, template=PAIR, max_length=512,
@@ -199,17 +287,13 @@ def collate_rerank(tokenizer, queries, groups, template=PAIR, max_length=512,
     """Batch B queries x n passages as B*n pairs, query-major, positive first in each group.
 
     `template` is PAIR (the tokenizer's pair encoding, with token type ids where the model takes
-    them) or a prompt template. Padding follows `tokenizer.padding_side` (left or right). Labels
-    are not returned: the loss derives them from the batch shape (n_queries = n_pairs // n_passages).
+    them) or a prompt template (rendered as one string: TemplateLayout). Padding follows
+    `tokenizer.padding_side` (left or right). Labels are not returned: the loss derives them from
+    the batch shape (n_queries = n_pairs // n_passages).
     """
     layout = layout or pair_layout(tokenizer, template, append_eos)
-    q_ids = tokenize_bare(tokenizer, queries, max_length)
-    p_ids = tokenize_bare(tokenizer, [p for g in groups for p in g], max_length)
-    rows, k = [], 0
-    for q, g in zip(q_ids, groups):
-        for _ in g:
-            rows.append(layout.encode(q, p_ids[k], max_length))
-            k += 1
+    rows = layout.encode_pairs([q for q, g in zip(queries, groups) for _ in g], [p for g in groups for p in g],
+                               max_length)
     features = {"input_ids": [r[0] for r in rows]}
     if layout.with_types:
         features["token_type_ids"] = [r[1] for r in rows]

