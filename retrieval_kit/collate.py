@@ -173,10 +173,12 @@ class PairLayout:
         return ids, types
 
     def encode_pairs(self, queries, passages, max_length):
-        """[(ids, type ids)] of the pairs (queries[i], passages[i])."""
-        q_ids = tokenize_bare(self.tokenizer, queries, max_length)
+        """[(ids, type ids)] of the pairs (queries[i], passages[i]); a query repeated over its group is
+        tokenized once."""
+        unique = list(dict.fromkeys(queries))
+        q_ids = dict(zip(unique, tokenize_bare(self.tokenizer, unique, max_length)))
         p_ids = tokenize_bare(self.tokenizer, passages, max_length)
-        return [self.encode(q, p, max_length) for q, p in zip(q_ids, p_ids)]
+        return [self.encode(q_ids[q], p, max_length) for q, p in zip(queries, p_ids)]
 
 
 class TemplateLayout:

@@ -326,8 +326,12 @@ def write_seq_cls(out_dir, settings, trust_remote_code=False):
     config.num_labels, config.pad_token_id = 1, pad
     config.architectures = None
     config.sentence_transformers = {"activation_fn": IDENTITY}
-    seq = AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code,
-                                                         dtype=lm.dtype)
+    try:
+        seq = AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code,
+                                                             dtype=lm.dtype)
+    except ValueError as e:  # an architecture transformers has no sequence-classification class for
+        print(f"warning: --export-seq-cls: not written: {str(e).splitlines()[0]}", flush=True)
+        return {"written": False, "reason": str(e).splitlines()[0]}
     head = lm.get_output_embeddings()
     base = getattr(lm, lm.base_model_prefix)
     getattr(seq, seq.base_model_prefix).load_state_dict(base.state_dict())  # strict: every weight, same names
