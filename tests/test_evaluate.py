@@ -7,7 +7,7 @@ import torch
 
 from retrieval_kit.export import export_model
 from retrieval_kit.models import load_reranker
-from tests.conftest import python_run, run_module
+from tests.conftest import needs_cpu_bf16, python_run, run_module
 
 
 
@@ -15,6 +15,7 @@ from tests.conftest import python_run, run_module
 
 
 @pytest.mark.slow
+@needs_cpu_bf16
 def test_evaluate_entry_point_two_stages_and_ranks(tiny_model_dir, tokenizer, small_beir, tmp_path):
     torch.manual_seed(0)
     rr_dir = export_model(str(tmp_path / "rr"), load_reranker(tiny_model_dir), tokenizer, {

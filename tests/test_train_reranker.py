@@ -13,13 +13,14 @@ from retrieval_kit.encode import rerank_groups
 from retrieval_kit.export import load_exported_reranker
 from retrieval_kit.st_format import load_settings
 from retrieval_kit.models import load_reranker
-from tests.conftest import check_grad_cache_run, minilm_dir, read_jsonl, ROOT, run_script, stock_scores
+from tests.conftest import check_grad_cache_run, minilm_dir, needs_cpu_bf16, read_jsonl, ROOT, run_script, stock_scores
 
 pytestmark = pytest.mark.slow  # every test here runs a script, a kill or a 2-rank launch
 
 TEMPLATE = "Q: {query} | P: {passage}"
 
 
+@needs_cpu_bf16
 def test_bf16_run_resumed_with_force_fp32_on_two_ranks(tiny_model_dir, small_train_file, tmp_path):
     common = ["--model", tiny_model_dir, "--train-file", small_train_file, "--batch-size", 4,
               "--n-passages", 3, "--val-file", os.path.join(ROOT, "data", "val.jsonl"), "--val-max-groups", 8,
