@@ -351,7 +351,13 @@ def acquire_lock(run_dir):
     if key in _held:
         return None
     path = os.path.join(run_dir, LOCK_FILE)
-    f = open(path, "a+")
+    if os.path.lexists(path) and not os.path.isfile(path):  # a directory, a dangling link, a socket...
+        return (f"--output-dir {run_dir}: {path} is not a file (the run-folder lock is one): remove it, or use another "
+                "--output-dir")
+    try:
+        f = open(path, "a+")
+    except OSError as e:
+        return f"--output-dir {run_dir}: cannot open its lock {path}: {e.strerror}"
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

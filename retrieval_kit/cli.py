@@ -544,6 +544,23 @@ def run_neutral():
     return frozenset(neutral_flags(biencoder_parser()) | neutral_flags(reranker_parser()))
 
 
+VAL_METRICS = ("loss", "acc@1", "mrr")  # loop.validate_groups: what val/* holds
+# what makes a run log each validation split (--select-best names one)
+SPLIT_SOURCES = {"val": "give --val-file", "beir": "give --eval-beir", "dev": "give --dev-queries",
+                 "dev_fused": "give --dev-queries and --dev-biencoder", "dev_best": "give --dev-queries and --dev-biencoder"}
+
+
+def validation_splits(args):
+    """The splits (val, beir, dev, ...) the validations configured by `args` log (a bi-encoder's retrieval
+    splits also as `<split>_dim<d>` for each Matryoshka size)."""
+    splits = ["val"] if args.val_file else []
+    if getattr(args, "eval_beir", ""):
+        splits += ["beir"]
+    if args.dev_queries:
+        splits += ["dev", "dev_fused", "dev_best"] if getattr(args, "rerank_max_length", None) else ["dev"]
+    return splits
+
+
 def parse(parser, argv=None):
     """Parse, then check what no single flag's type can: one sentence naming the flags, exit 1."""
     args = parser.parse_args(argv)
@@ -569,6 +586,23 @@ def parse(parser, argv=None):
     if getattr(args, "rerank_max_length", None) and bool(args.dev_queries) != bool(args.dev_biencoder):
         raise SystemExit("--dev-queries and --dev-biencoder go together: the reranker's dev set is retrieved by a "
                          "bi-encoder export, then reranked")
+    if getattr(args, "head", None) is not None:
+        if args.head == "lm" and len(args.lm_tokens) != 2:
+            raise SystemExit(f"--lm-tokens: {len(args.lm_tokens)} word(s) ({','.join(args.lm_tokens)}); give exactly "
+                             "two, the true word and the false word (e.g. yes,no)")
+        if args.head != "lm" and args.lm_tokens != ["yes", "no"]:
+            raise SystemExit("--lm-tokens: only with --head lm (a classifier head has no vocabulary to read)")
+    if args.select_best:
+        split = args.select_best.partition("/")[0]
+        logged = validation_splits(args)
+        if split.split("_dim")[0] not in logged:
+            raise SystemExit(f"--select-best {args.select_best}: no validation of this run logs {split}/* (it logs "
+                             f"{', '.join(s + '/*' for s in logged) or 'nothing'}): "
+                             f"{SPLIT_SOURCES.get(split, 'name a split the run validates on')}")
+        name = args.select_best.partition("/")[2]
+        if split == "val" and name not in VAL_METRICS:
+            raise SystemExit(f"--select-best {args.select_best}: val/* holds {', '.join(VAL_METRICS)} (the fixed "
+                             "groups' validation); retrieval metrics are beir/* (--eval-beir) and dev/* (--dev-queries)")
     if getattr(args, "export_seq_cls", False) and args.head != "lm":
         raise SystemExit("--export-seq-cls: only with --head lm (a classifier head's export is a seq-cls dir already)")
     if not args.lora_rank:
@@ -588,7 +622,7 @@ def resolve_device_defaults(args, device):
     - --chunk-tokens: CHUNK_TOKENS on CPU, CHUNK_TOKENS_CUDA on CUDA;
     - --num-workers: 0 on CPU (workers take cores from the model), 2 on CUDA;
     - --keep-freed-memory: on on CPU (hostmem.keep_freed_memory, applied here), off on CUDA."""
-    from .precision import cpu_bf16_matmul, cuda_bf16, set_tf32
+    from .precision import check_cpu_bf16, cpu_bf16_matmul, cuda_bf16, parse_dtype, set_tf32
 
     cuda = device.type == "cuda"
     if args.compute_dtype == "auto":
@@ -597,6 +631,7 @@ def resolve_device_defaults(args, device):
         if fast and not cuda and os.environ.get("RANK", "0") == "0":
             print(f"--compute-dtype auto: bf16 autocast over fp32 weights, this CPU has {fast} (--compute-dtype none: "
                   "fp32 throughout)", flush=True)
+    check_cpu_bf16(device.type, parse_dtype(args.compute_dtype))
     if args.tf32 is None:
         args.tf32 = cuda
     if args.tf32 and not cuda:

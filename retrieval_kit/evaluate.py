@@ -51,6 +51,10 @@ def biencoder_settings(model_dir, flags):
     retrieval_kit.json, else the dir's sentence-transformers files, else the kit's defaults (a decoder's
     pooling: last, the token that has read the whole text); prints what it read from
     sentence-transformers files."""
+    kind = load_settings(model_dir).get("kind")
+    if kind == "reranker":  # its pooling ('native': a classification head) embeds nothing
+        raise SystemExit(f"{model_dir}: a reranker export (its retrieval_kit.json), not a bi-encoder: pass a dir "
+                         "train_biencoder.py exported (or any embedding model) where a bi-encoder is asked for")
     defaults = {**KIT_DEFAULTS, "pooling": "last"} if decoder_dir(model_dir) else KIT_DEFAULTS
     settings, read = resolve_biencoder_settings(model_dir, flags, defaults)
     if read:
@@ -176,9 +180,9 @@ class RerankDev:
     legitimate best: the reranker does not pay on this data."""
 
     def __init__(self, dev, biencoder_dir, batch_size, device, progress=False):
+        settings = biencoder_settings(biencoder_dir, {})  # (a reranker export here: one sentence, before loading)
         tok = load_tokenizer(biencoder_dir)
         enc = load_encoder(biencoder_dir).to(device).eval()
-        settings = biencoder_settings(biencoder_dir, {})
         prepare_embedder(tok, enc, settings)
         self.dev, self.k = dev, max(FUSION_TOP_K)
         self.run = retrieve(enc, tok, settings, dev, self.k, batch_size, device, progress)

@@ -65,6 +65,12 @@ def apply_lora(model, rank, alpha, dropout=0.0, targets=DEFAULT_TARGETS, dtype=t
     if not chosen:
         raise SystemExit(f"--lora-targets {','.join(targets)}: no linear layer of {type(model).__name__} is named so; "
                          f"its linear layers are named {', '.join(linear_names(model))}")
+    narrow = min(chosen, key=lambda c: min(c[1].in_features, c[1].out_features))
+    width = min(narrow[1].in_features, narrow[1].out_features)
+    if rank > width:  # A (r x in) and B (out x r) would hold more than the layer they adapt
+        raise SystemExit(f"--lora-rank {rank}: above the width of the targeted layer {narrow[0]} ({width}: "
+                         f"{narrow[1].in_features} in, {narrow[1].out_features} out); an adapter of that rank is no "
+                         f"low-rank update: choose at most {width}, or train every weight (no --lora-rank)")
     model.requires_grad_(False)
     for name, module in chosen:
         digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()

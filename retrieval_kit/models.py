@@ -434,8 +434,28 @@ def load_lm_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_im
     built on the meta device; `attention_dropout`, `fast_dropout`: as load_auto."""
     from transformers import AutoModelForCausalLM
 
+    encoder = encoder_type(path)
+    if encoder:
+        raise SystemExit(f"--head lm (plan: --kind lm-reranker): {path} is a {encoder} encoder, not a causal LM: its "
+                         "LM head would start fresh and its attention be bidirectional; use --head classifier "
+                         "(--kind reranker), or a decoder (Llama, Qwen, ...)")
     return load_auto(AutoModelForCausalLM, path, dtype, trust_remote_code, attn_implementation, meta,
                      attention_dropout, fast_dropout)
+
+
+def encoder_type(path):
+    """The model_type of the model in dir `path` when transformers knows it as a masked-LM encoder (BERT,
+    RoBERTa, ...), else None (a decoder, a type it does not know, no readable config.json)."""
+    import json
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model_type if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES else None
 
 
 def lm_token_ids(tokenizer, words):

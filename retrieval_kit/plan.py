@@ -50,6 +50,23 @@ def describe(plan):
             "activations")
 
 
+SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads")
+
+
+def defaulted_shape(model_dir, config):
+    """{key: value} of the shape settings `config` holds that the dir's config.json does not set (so
+    transformers' defaults for the model type filled them in)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            written = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {k: getattr(config, k) for k in SHAPE_KEYS if k not in written and hasattr(config, k)}
+
+
 def main(argv=None):
     from . import cli, flags, lora
     from .models import fresh_head_params, load_encoder, load_lm_reranker, load_reranker
@@ -59,7 +76,7 @@ def main(argv=None):
     ap.add_argument("--model", required=True, type=flags.model_path, help="model dir (or a dir holding only its config.json)")
     ap.add_argument("--kind", choices=("biencoder", "reranker", "lm-reranker"), default="biencoder",
                     help="what is trained: the encoder, a one-logit classifier, or a causal LM (default biencoder)")
-    ap.add_argument("--world-size", type=int, default=1, help="ranks (default 1)")
+    ap.add_argument("--world-size", type=flags.positive_int, default=1, help="ranks (default 1)")
     ap.add_argument("--parallel", choices=("ddp", "fsdp2"), default="ddp", help="default ddp")
     ap.add_argument("--torch-dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                     help="storage dtype of params and AdamW state, as in the scripts (default auto = fp32)")
@@ -73,6 +90,10 @@ def main(argv=None):
     storage, _, _ = resolve(a.torch_dtype, a.force_fp32_params, "none", a.parallel, a.lora_rank > 0)
     load = {"biencoder": load_encoder, "reranker": load_reranker, "lm-reranker": load_lm_reranker}[a.kind]
     model = load(a.model, storage, meta=True)  # shapes and dtypes only
+    assumed = defaulted_shape(a.model, model.config)
+    if assumed:
+        print(f"note: {a.model}/config.json does not set {', '.join(assumed)}: planned with transformers' defaults "
+              f"for {model.config.model_type} ({', '.join(f'{k} {v}' for k, v in assumed.items())})")
     lora.apply_each([model], a.lora_rank, train=fresh_head_params if a.kind == "reranker" else None, alpha=1.0,
                     targets=tuple(a.lora_targets), dtype=trained_dtype(storage, a.force_fp32_params))
     print(describe(memory_plan(model, a.world_size, a.parallel)))

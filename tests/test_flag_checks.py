@@ -128,3 +128,89 @@ def test_select_best_keeps_the_best_in_its_direction_and_refuses_a_metric_no_val
         LoopState().observe("val/ndcg@10", {"val": {"step": 0, "loss": 1.0, "acc@1": 0.5}}, 0)
     with pytest.raises(SystemExit, match="--select-best dev/ndcg@10: no validation"):
         LoopState().observe("dev/ndcg@10", {"val": {"step": 0, "loss": 1.0}}, 0)
+
+
+# ----- issue 41: the newest surfaces answer each mistake with one sentence -----------------------------------
+
+@pytest.mark.parametrize("parser,argv,says", [
+    ("biencoder", ["--select-best", "val/loss", "--val-file", ""], "--select-best val/loss: no validation of this run "
+                                                                   "logs val/* (it logs nothing): give --val-file"),
+    ("reranker", ["--select-best", "val/mrr", "--val-file", ""], "--select-best val/mrr: no validation"),
+    ("biencoder", ["--select-best", "beir/ndcg@10"], "no validation of this run logs beir/* (it logs val/*): give "
+                                                     "--eval-beir"),
+    ("reranker", ["--select-best", "dev_fused/ndcg@10"], "give --dev-queries and --dev-biencoder"),
+    ("biencoder", ["--select-best", "val/ndcg@10"], "--select-best val/ndcg@10: val/* holds loss, acc@1, mrr"),
+    ("reranker", ["--head", "lm", "--lm-tokens", "yes,no,maybe"], "--lm-tokens: 3 word(s) (yes,no,maybe); give "
+                                                                  "exactly two"),
+    ("reranker", ["--head", "lm", "--lm-tokens", "yes"], "--lm-tokens: 1 word(s) (yes); give exactly two"),
+    ("reranker", ["--lm-tokens", "true,false"], "--lm-tokens: only with --head lm"),
+])
+def test_orphan_and_impossible_flags_of_the_newest_surfaces_are_one_sentence(parser, argv, says):
+    make = cli.biencoder_parser if parser == "biencoder" else cli.reranker_parser
+    with pytest.raises(SystemExit, match=says.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+        cli.parse(make(), argv)
+
+
+def test_select_best_on_a_split_the_run_validates_passes_the_start_up_check(tiny_model_dir):
+    cli.parse(cli.biencoder_parser(), ["--select-best", "val/acc@1"])
+    cli.parse(cli.biencoder_parser(), ["--select-best", "beir_dim64/ndcg@10", "--eval-beir", "data/eval"])
+    cli.parse(cli.reranker_parser(), ["--select-best", "dev_best/ndcg@10", "--dev-queries", "8", "--dev-biencoder",
+                                      tiny_model_dir])
+
+
+def test_head_lm_on_an_encoder_and_a_lora_rank_wider_than_a_layer_are_refused(tiny_model_dir):
+    from retrieval_kit import lora
+    from retrieval_kit.models import load_lm_reranker
+
+    with pytest.raises(SystemExit, match=r"--head lm \(plan: --kind lm-reranker\): .* is a bert encoder, not a causal "
+                                         "LM"):
+        load_lm_reranker(tiny_model_dir)
+    model = load_encoder(tiny_model_dir)  # 32 wide
+    lora.apply_lora(load_encoder(tiny_model_dir), 32, 64.0)
+    with pytest.raises(SystemExit, match=r"--lora-rank 33: above the width of the targeted layer "
+                                         r"encoder\.layer\.0\.attention\.self\.query \(32: 32 in, 32 out\)"):
+        lora.apply_lora(model, 33, 66.0)
+
+
+def test_a_run_lock_that_is_not_a_file_is_named(tmp_path):
+    from retrieval_kit.ckpt import acquire_lock
+
+    (tmp_path / "run.lock").mkdir()
+    assert acquire_lock(str(tmp_path)) == (f"--output-dir {tmp_path}: {tmp_path}/run.lock is not a file (the "
+                                           "run-folder lock is one): remove it, or use another --output-dir")
+
+
+@pytest.mark.slow
+def test_the_tools_answer_the_newest_mistakes_without_a_traceback(tiny_model_dir, tmp_path):
+    """plan with a world of 0 or below, an encoder planned as an LM reranker, a partial config (a note, exit 0);
+    a reranker export given where a bi-encoder is asked for (evaluate's --model, train_reranker's --dev-biencoder)."""
+    import json
+
+    from retrieval_kit.export import export_reranker
+    from retrieval_kit.models import load_reranker
+
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    rr = str(tmp_path / "rr")
+    export_reranker(rr, load_reranker(tiny_model_dir), load_tokenizer(tiny_model_dir),
+                    {"kind": "reranker", "pooling": "native", "prompt_template": "pair", "rerank_max_length": 32,
+                     "append_eos": False, "padding_side": "right", "pad_to_multiple_of": 8})
+    cases = [(["-m", "retrieval_kit.plan", "--model", tiny_model_dir, "--world-size", "0", "--parallel", "fsdp2"],
+              2, "argument --world-size: must be a positive integer, got 0"),
+             (["-m", "retrieval_kit.plan", "--model", tiny_model_dir, "--world-size", "-2"], 2, "got -2"),
+             (["-m", "retrieval_kit.plan", "--model", tiny_model_dir, "--kind", "lm-reranker"], 1,
+              "is a bert encoder, not a causal LM"),
+             (["-m", "retrieval_kit.plan", "--model", str(partial)], 0,
+              f"note: {partial}/config.json does not set vocab_size, hidden_size, num_hidden_layers, "
+              "intermediate_size, num_attention_heads: planned with transformers' defaults for bert (vocab_size 30522, "
+              "hidden_size 768"),
+             (["-m", "retrieval_kit.evaluate", "--model", rr, "--beir", "data/eval"], 1,
+              f"{rr}: a reranker export (its retrieval_kit.json), not a bi-encoder"),
+             ([f"{ROOT}/train_reranker.py", "--model", tiny_model_dir, "--dev-queries", "4", "--dev-biencoder", rr,
+               "--output-dir", str(tmp_path / "run")], 1, f"{rr}: a reranker export (its retrieval_kit.json), not a "
+                                                          "bi-encoder")]
+    for argv, rc, says in cases:
+        res = python_run(argv, cwd=ROOT)
+        out = res.stdout + res.stderr
+        assert res.returncode == rc and "Traceback" not in out and says in out, (argv, out[-2000:])
