@@ -4,8 +4,8 @@ resume or a second run starts in seconds and every rank and DataLoader worker on
 copy of the pages.
 
 An entry is a folder of raw arrays and a meta.json that says what each is (dtype, length, a digest of
-sampled blocks) and what it was built from: the source file's size, mtime and a hash of its head and
-tail, plus what else the parse depended on (the corpus a training file's ids refer to). An entry that
+sampled blocks) and what it was built from: the source file's size and a hash of all its bytes, plus
+what else the parse depended on (the corpus a training file's ids refer to). An entry that
 no longer matches its source is stale; one whose meta or arrays do not match what meta says is
 damaged; either is rebuilt with a warning, never used. An entry is written under a temporary name and
 renamed into place when complete, so a kill during the build leaves nothing that looks complete.
@@ -28,7 +28,6 @@ import numpy as np
 
 VERSION = 1
 AUTO_MIN_BYTES = 16 << 20
-EDGE = 1 << 20  # bytes of a source's head and of its tail hashed into its fingerprint
 SAMPLE = 4096  # bytes per sampled block of an array's digest
 
 
@@ -36,16 +35,21 @@ def warn(message):
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+_digests = {}  # (path, inode, size, ctime) -> content digest: a file is hashed once per process (any write, and
+# a restored mtime too, moves the ctime, which no user call sets back)
+
+
 def fingerprint(path):
-    """What a cache entry is keyed by: the source's size, mtime and a hash of its first and last MiB."""
+    """What a cache entry is keyed by: the source's size and a blake2b of all its bytes
+    (formats.file_digest), so any edit - mid-file, same size, mtime restored - makes the entry stale,
+    and touching a file does not. Hashing is the price of a warm load: 0.x s a GB (docs/benchmarks.md)."""
+    from .formats import file_digest
+
     st = os.stat(path)
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        h.update(f.read(EDGE))
-        if st.st_size > EDGE:
-            f.seek(max(EDGE, st.st_size - EDGE))
-            h.update(f.read(EDGE))
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "edges": h.hexdigest()}
+    memo = (os.path.abspath(path), st.st_ino, st.st_size, st.st_ctime_ns)
+    if memo not in _digests:
+        _digests[memo] = file_digest(path)
+    return {"size": st.st_size, "content": _digests[memo]}
 
 
 def entry_path(path, where):

@@ -78,7 +78,7 @@ def parse_records_cached(path, corpus, cache):
         parsed = parse_records(path, corpus)
         built.append(parsed)
         return parsed[0].to_arrays(n0), {"format": parsed[1], "unread": dict(parsed[2]), "one_word": parsed[3],
-                                         "prompts": parsed[0].prompts, "digest": file_digest(path),
+                                         "prompts": parsed[0].prompts, "digest": datacache.fingerprint(path)["content"],
                                          "distinct": distinct_passages(parsed[0])}
     arrays, info, state = datacache.cached(path, cache, key, build, path)
     if state is None:

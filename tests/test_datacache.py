@@ -87,7 +87,7 @@ def test_a_changed_source_is_rebuilt_with_a_warning(tmp_path, capsys):
     cache = str(tmp_path / "cache")
     read_both(corpus, by_id, inline, cache)
     capsys.readouterr()
-    # same size, same mtime, other content: the hash of the head catches it
+    # same size, same mtime, other content: the hash of the content catches it
     st = os.stat(inline)
     text = open(inline).read().replace('"q 7"', '"q 8"')
     open(inline, "w").write(text)
@@ -95,6 +95,23 @@ def test_a_changed_source_is_rebuilt_with_a_warning(tmp_path, capsys):
     got, _ = read_records(inline, 3, cache=cache)
     assert "stale" in capsys.readouterr().err
     assert got[7].bare_query == "q 8"
+    # a mid-file edit, same size and mtime restored (issue 41: the head and tail hash missed it)
+    big = 3 * (1 << 20) // len(text.splitlines()[0]) + 1  # lines enough for more than 2 MiB: an edit neither
+    lines = [json.dumps({"query": f"q {i}", "pos": [f"pos {i}"], "neg": [f"neg {i}"]}) for i in range(big)]
+    open(inline, "w").write("\n".join(lines) + "\n")  # in the first nor in the last MiB
+    read_records(inline, 2, cache=cache)
+    capsys.readouterr()
+    st = os.stat(inline)
+    middle = len(lines) // 2
+    lines[middle] = lines[middle].replace(f'"q {middle}"', f'"Q {middle}"')
+    open(inline, "w").write("\n".join(lines) + "\n")
+    os.utime(inline, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(inline).st_size == st.st_size
+    got, _ = read_records(inline, 2, cache=cache)
+    assert "stale" in capsys.readouterr().err and got[middle].bare_query == f"Q {middle}"
+    os.utime(inline)  # touched, not changed: the entry is still good
+    read_records(inline, 2, cache=cache)
+    assert "stale" not in capsys.readouterr().err
     # the corpus a training file's ids refer to changed: the training file's entry is stale too
     with open(corpus, "a") as f:
         f.write(json.dumps({"_id": "d_new", "text": "one more"}) + "\n")
