@@ -39,12 +39,19 @@ _digests = {}  # (path, inode, size, ctime) -> content digest: a file is hashed 
 # a restored mtime too, moves the ctime, which no user call sets back)
 
 
-def fingerprint(path):
-    """What a cache entry is keyed by: the source's size and a blake2b of all its bytes
-    (formats.file_digest), so any edit - mid-file, same size, mtime restored - makes the entry stale,
-    and touching a file does not. Hashing is the price of a warm load: 0.x s a GB (docs/benchmarks.md)."""
-    from .formats import file_digest
+def file_digest(path, block=1 << 22):
+    """blake2b-128 of all the bytes of the file at `path` (hex)."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
 
+
+def fingerprint(path):
+    """What a cache entry is keyed by: the source's size and a blake2b of all its bytes (file_digest),
+    so any edit - mid-file, same size, mtime restored - makes the entry stale, and touching a file
+    does not. Hashing is the price of a warm load: 0.87 s for 580 MB here (docs/benchmarks.md)."""
     st = os.stat(path)
     memo = (os.path.abspath(path), st.st_ino, st.st_size, st.st_ctime_ns)
     if memo not in _digests:

@@ -232,6 +232,8 @@ def reranker_chat_template(layout, original=None):
             "{%- elif m.role == 'document' -%}{%- set pair.document = " + text_of + " -%}{%- endif -%}"
             "{%- endfor -%}"
             "{%- if pair.query is not none and pair.document is not none -%}")
+    if isinstance(original, dict):  # several named templates: the default one serves other conversations
+        original = original.get("default")
     other = original if original else "{{ raise_exception('this reranker renders a query and a document message') }}"
     return head + body + "{%- else %}" + other + "{% endif %}"
 

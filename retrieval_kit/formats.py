@@ -26,16 +26,12 @@ class DataError(ValueError):
     """Raised with one `file:line: problem` per bad line."""
 
 
-def file_digest(path, block=1 << 22):
+def file_digest(path):
     """A content fingerprint of a file: blake2b-128 of all its bytes (hex), for a resume to notice data
-    regenerated under the same path and size."""
-    import hashlib
+    regenerated under the same path and size (datacache.file_digest, which keys the data cache too)."""
+    from .datacache import file_digest as digest
 
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            h.update(chunk)
-    return h.hexdigest()
+    return digest(path)
 
 
 def exit_on_data_error(main):
