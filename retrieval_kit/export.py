@@ -14,7 +14,8 @@ also loads, and all of them score a (query, passage) pair as the kit does:
     post-processor, collate.pair_post_processor). A prompt template: a chat template whose
     `query` / `document` roles render the trained string (`reranker_chat_template`; other roles
     render with the model's own chat template), which CrossEncoder applies to a pair and tokenizes
-    as one string, restoring the tail after truncation, as the kit cuts;
+    as one string, restoring the tail after truncation, as the kit cuts. A classifier export with the
+    pair encoding drops the model's chat template, through which CrossEncoder would render the pair;
   - `config.json` declares the score activation (identity: the kit's scores are raw logits), which
     CrossEncoder reads instead of its default sigmoid;
   - --head lm with --export-seq-cls: also `seq_cls/`, the same model as a *ForSequenceClassification
@@ -267,8 +268,12 @@ def _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card,
         _edit_json(os.path.join(out_dir, "tokenizer_config.json"), lambda c: c.update(model_max_length=max_length))
         if template != PAIR:  # one mechanism for every consumer: the chat template's query / document roles
             write_chat_template(out_dir, reranker_chat_template(layout, tokenizer.chat_template))
-        elif settings["append_eos"]:
-            rewrite_pair_post_processor(out_dir, tokenizer, layout)
+        else:
+            if tokenizer.chat_template and settings.get("head") != "lm":  # CrossEncoder would render a pair
+                drop_chat_template(out_dir)  # through it, not as tokenizer(query, passage) (the LM head's files
+                settings["chat_template_dropped"] = True  # pin the text modality instead)
+            if settings["append_eos"]:
+                rewrite_pair_post_processor(out_dir, tokenizer, layout)
         settings["tokenizer_pairs"] = _tokenizer_matches(out_dir, tokenizer, layout, max_length, trust_remote_code)
         if not settings["tokenizer_pairs"]:
             settings["kit_only"] = reasons + [f"{type(tokenizer).__name__}: could not make the exported tokenizer "
@@ -287,6 +292,14 @@ def write_chat_template(out_dir, template):
     """`template` as the dir's chat template (chat_template.jinja, which transformers reads first)."""
     with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
         f.write(template)
+    _edit_json(os.path.join(out_dir, "tokenizer_config.json"), lambda c: c.pop("chat_template", None))
+
+
+def drop_chat_template(out_dir):
+    """No chat template in the dir: sentence-transformers then encodes a pair as `tokenizer(query, passage)`."""
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if os.path.isfile(os.path.join(out_dir, name)):
+            os.remove(os.path.join(out_dir, name))
     _edit_json(os.path.join(out_dir, "tokenizer_config.json"), lambda c: c.pop("chat_template", None))
 
 

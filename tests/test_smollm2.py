@@ -108,6 +108,36 @@ def test_a_query_longer_than_the_pair_is_cut_with_one_warning(smol_tok, capfd):
     assert capfd.readouterr().err.count("a query alone takes more than --rerank-max-length 120") == 1
 
 
+@pytest.mark.parametrize("template", ["pair", DEFAULT_TEMPLATE])
+def test_a_classifier_head_over_the_real_bpe_tokenizer_scores_alike_in_the_stock_loaders(template, smol_tok, tmp_path):
+    """A seq-cls decoder export with SmolLM2's tokenizer (byte-level BPE, a ChatML chat template): the kit,
+    AutoModelForSequenceClassification and CrossEncoder agree, one pair cut. With `pair`, CrossEncoder would
+    render the pair through the model's chat template (1.6 logits away here): the export drops it."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from retrieval_kit.encode import rerank_groups
+    from retrieval_kit.export import export_reranker, load_exported_reranker
+    from tests.conftest import stock_scores
+
+    config = LlamaConfig(vocab_size=len(smol_tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=smol_tok.pad_token_id)
+    torch.manual_seed(0)
+    net = LlamaForSequenceClassification(config).eval()
+    with torch.no_grad():  # spread the random scores apart
+        for m in net.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.normal_(0.0, 0.15)
+    out = str(tmp_path / "final")
+    settings = export_reranker(out, net, smol_tok, {"kind": "reranker", "pooling": "native", "prompt_template": template,
+                                                    "rerank_max_length": 64, "append_eos": False, "padding_side": "left",
+                                                    "pad_to_multiple_of": 8})
+    assert settings["portable"] and settings.get("chat_template_dropped", False) == (template == "pair")
+    model, tok, saved = load_exported_reranker(out)
+    kit = rerank_groups(model, tok, QUERIES, GROUPS, saved)
+    hf, st = stock_scores(out, QUERIES, GROUPS)
+    assert kit.std() > 0.05 and (kit - hf).abs().max() < 1e-5 and (kit - st).abs().max() < 1e-5, (kit, hf, st)
+
+
 # ----- a LoRA LLM-reranker run on SmolLM2 and every consumer of its export ----------------------------------------
 
 @pytest.fixture(scope="module")
