@@ -211,8 +211,9 @@ def cpu_bf16_matmul():
 
 def cpu_bf16_blocked():
     """This CPU has bf16 matmul instructions but torch runs below its AVX512 kernels
-    (ATEN_CPU_CAPABILITY=avx2 or default): torch's bf16 matmuls stop there with "pack_vnni2 is only
-    supported when avx512 is supported" (a CPU without them converts to fp32 instead, slowly)."""
+    (ATEN_CPU_CAPABILITY=avx2 or default): some of torch's bf16 matmuls (scoring, evaluation) stop there
+    with "pack_vnni2 is only supported when avx512 is supported", so a run is refused at start-up rather
+    than midway (a CPU without them converts to fp32 instead, slowly)."""
     if "AVX512" in torch.backends.cpu.get_cpu_capability():
         return False
     caps = getattr(torch.cpu, "get_capabilities", dict)()
@@ -223,7 +224,7 @@ def check_cpu_bf16(device_type, dtype):
     """One sentence instead of torch's RuntimeError when bf16 compute is asked for where it cannot run."""
     if device_type == "cpu" and dtype == torch.bfloat16 and cpu_bf16_blocked():
         raise SystemExit(f"--compute-dtype bf16: torch runs its {torch.backends.cpu.get_cpu_capability()} kernels here "
-                         "(ATEN_CPU_CAPABILITY) on a CPU with bf16 instructions, where its bf16 matmuls fail: unset "
+                         "(ATEN_CPU_CAPABILITY) on a CPU with bf16 instructions, where some of its bf16 matmuls fail: unset "
                          "ATEN_CPU_CAPABILITY, or compute in fp32 (--compute-dtype none)")
 
 

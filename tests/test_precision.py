@@ -5,6 +5,7 @@ import torch
 
 from retrieval_kit import ckpt, optim, precision
 from retrieval_kit.models import load_reranker
+from tests.conftest import needs_cpu_bf16
 
 
 def test_resolve_storage_dtype():
@@ -78,6 +79,7 @@ def test_swapped_order_gives_bf16_moments_and_the_check_fires(tiny_model_dir, bf
         precision.check_optimizer_state_dtype(opt)
 
 
+@needs_cpu_bf16
 def test_autocast_forward_computes_in_bf16_and_hands_back_fp32_embeddings_and_scores(tiny_model_dir, tokenizer):
     """The inference tools' --compute-dtype bf16: the layers run in bf16 (seen by a hook), while the
     embeddings come back pooled and normalized in fp32, close to the fp32 model's, and the reranker's

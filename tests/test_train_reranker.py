@@ -52,6 +52,7 @@ def test_bf16_run_resumed_with_force_fp32_on_two_ranks(tiny_model_dir, small_tra
     assert settings["append_eos"] is False and settings["kind"] == "reranker"
 
 
+@needs_cpu_bf16
 def test_fp32_master_weights_with_bf16_autocast(tiny_model_dir, small_train_file, tmp_path):
     proc = run_script("train_reranker.py", ["--model", tiny_model_dir, "--train-file", small_train_file, "--batch-size", 4,
                                             "--n-passages", 2, "--val-file", "", "--rerank-max-length", 64, "--max-steps", 2,
