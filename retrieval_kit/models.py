@@ -305,17 +305,23 @@ def is_decoder_only(config):
     return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 
-def decoder_dir(path):
-    """Is the model in dir `path` a decoder (is_decoder_only), by its config.json (False without one)?"""
+def model_type_of(path):
+    """The model_type that dir `path`'s config.json names (None without a readable one)."""
     import json
-    from types import SimpleNamespace
 
     try:
         with open(os.path.join(path, "config.json")) as f:
-            model_type = json.load(f).get("model_type")
-    except (OSError, ValueError):
-        return False
-    return is_decoder_only(SimpleNamespace(model_type=model_type))
+            return json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def decoder_dir(path):
+    """Is the model in dir `path` a decoder (is_decoder_only), by its config.json (False without one)?"""
+    from types import SimpleNamespace
+
+    model_type = model_type_of(path)
+    return model_type is not None and is_decoder_only(SimpleNamespace(model_type=model_type))
 
 
 def appends_eos(tokenizer):
@@ -446,15 +452,9 @@ def load_lm_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_im
 def encoder_type(path):
     """The model_type of the model in dir `path` when transformers knows it as a masked-LM encoder (BERT,
     RoBERTa, ...), else None (a decoder, a type it does not know, no readable config.json)."""
-    import json
-
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            model_type = json.load(f).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
+    model_type = model_type_of(path)
     return model_type if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES else None
 
 
