@@ -143,12 +143,16 @@ def test_a_classifier_head_over_the_real_bpe_tokenizer_scores_alike_in_the_stock
 @pytest.fixture(scope="module")
 def lm_run(smollm2_dir, small_train_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("smol_lm_run")
-    run_script("train_reranker.py", ["--model", smollm2_dir, "--head", "lm", "--prompt-template", "qwen3",
+    done = run_script("train_reranker.py", ["--model", smollm2_dir, "--head", "lm", "--prompt-template", "qwen3",
                                      "--lora-rank", 8, "--lr", 1e-3, "--export-adapter", "--export-seq-cls",
                                      "--rerank-max-length", MAX_LENGTH, "--train-file", small_train_file,
                                      "--val-file", "", "--batch-size", 1, "--n-passages", 2, "--max-steps", 2,
                                      "--output-dir", out])
+    LM_RUN_OUTPUT.append(done.stdout + done.stderr)
     return str(out / "final")
+
+
+LM_RUN_OUTPUT = []  # what lm_run printed
 
 
 def lm_scores(net, tok, ids, yes, no):
@@ -168,6 +172,9 @@ def test_the_lm_reranker_export_scores_alike_in_every_consumer(lm_run, smollm2_d
     from retrieval_kit.encode import rerank_groups
     from retrieval_kit.export import load_exported_reranker
 
+    # the export's own check renders a probe longer than --rerank-max-length: transformers said so (its
+    # "Token indices sequence length is longer ..."), a warning from the kit's path before the fix
+    assert "sequence length is longer than" not in LM_RUN_OUTPUT[0]
     model, tok, settings = load_exported_reranker(lm_run)
     assert settings["portable"] and settings["tokenizer_pairs"] and settings["seq_cls"]["written"], settings
     kit = rerank_groups(model, tok, QUERIES, GROUPS, settings).view(-1)  # (4,)
