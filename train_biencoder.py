@@ -18,12 +18,43 @@ from retrieval_kit.export import export_model, model_card
 from retrieval_kit.formats import exit_on_data_error
 from retrieval_kit.losses import biencoder_loss, contrastive_loss, matryoshka, matryoshka_plan
 from retrieval_kit.metrics import WindowedAverage
-from retrieval_kit.models import (BiEncoder, default_model_dir, embedding_size, load_encoder, load_once, load_tokenizer,
-                                  prepare_embedder)
+from retrieval_kit.models import (BiEncoder, LateInteraction, attach_multi_vector, default_model_dir, embedding_size,
+                                  load_encoder, load_once, load_tokenizer, prepare_embedder)
 
 
 def parse_args(argv=None):
     return cli.parse(cli.biencoder_parser(__doc__), argv)  # every flag: retrieval_kit/cli.py, docs/flags.md
+
+
+def setup_head(args, settings, encoder, source):
+    """The embedding's head: Matryoshka dims (--matryoshka-dims, checked against the embedding size);
+    for --head multi-vector (or a MultiVectorEncoder dir) the token projection on the model (and on rank
+    0's loaded copy under FSDP2) and its size in `settings`; the temperature's default for the head
+    (MaxSim sums over the query's tokens: scale 1, as PyLate's). Returns (dims, LoRA's `train`: what
+    is trained in full beside the adapters - the projection - or None)."""
+    dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights, embedding_size(encoder))
+    multi = settings["head"] == "multi-vector"
+    if args.temperature is None:
+        args.temperature = 1.0 if multi else 0.05
+    if not multi:
+        return dims, None
+    if dims[0]:
+        raise SystemExit("--matryoshka-dims: not with --head multi-vector (its token vectors are not truncated in "
+                         "training); drop one of them")
+    for m in {id(m): m for m in (encoder, source) if m is not None}.values():
+        if not hasattr(m, "multi_vector"):  # (a MultiVectorEncoder dir brought its own)
+            attach_multi_vector(m, args.multi_vector_dim, args.seed, meta=next(m.parameters()).is_meta)
+    settings["multi_vector_dim"] = encoder.multi_vector.linear.out_features
+    return dims, lambda m: list(m.multi_vector.parameters())
+
+
+def embedder(encoder, settings, multiple):
+    """The module the step runs: BiEncoder (pooled vectors), or LateInteraction (token vectors) padded to
+    fixed widths, the max lengths as collate pads them, so that chunks and ranks concatenate."""
+    if settings["head"] != "multi-vector":
+        return BiEncoder(encoder, settings["pooling"], settings["normalize"])
+    widths = {"q": settings["query_max_length"], "p": settings["passage_max_length"]}
+    return LateInteraction(encoder, {k: -(-n // multiple) * multiple if multiple else n for k, n in widths.items()})
 
 
 def main():
@@ -47,16 +78,16 @@ def main():
     encoder, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
         functools.partial(load_encoder, model_dir, storage_dtype, args.trust_remote_code, args.attn_implementation,
                           **cli.load_settings(args)), args.parallel == "fsdp2", ctx)
-    dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights, embedding_size(encoder))
     settings = evaluate.biencoder_settings(model_dir, cli.setting_overrides(args))  # says what the dir set
     settings.update(prepare_embedder(tokenizer, encoder, settings, args.append_eos, args.bidirectional,
                                      args.pad_to_multiple_of))  # a decoder: pad left, EOS; lengths checked
-    lora_info = lora.apply_each((encoder, source), **cli.lora_settings(args, model_dir, storage_dtype))  # or None
+    dims, trained_head = setup_head(args, settings, encoder, source)  # Matryoshka; multi-vector: the projection
+    lora_info = lora.apply_each((encoder, source), train=trained_head, **cli.lora_settings(args, model_dir, storage_dtype))
     resume_dir = ckpt.start_run(**cli.resume_request(args), run_args=vars(args), neutral=cli.run_neutral())
     ckpt.restore_model(source, resume_dir, storage_dtype)  # a resume: weights (rank 0's under FSDP2) -> cast
 
     # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------
-    model, eval_model = dist.wrap(BiEncoder(encoder, settings["pooling"], settings["normalize"]), encoder, ctx,
+    model, eval_model = dist.wrap(embedder(encoder, settings, args.pad_to_multiple_of), encoder, ctx,
                                   mp_policy=precision.mp_policy(compute_dtype), source=source, **cli.wrap_settings(args))
 
     # ----- optimizer, schedule; resume, part 2: optimizer -> scheduler -> loop state ------------

@@ -185,8 +185,10 @@ def add_model_args(g):
 # ----- losses ------------------------------------------------------------------------------------
 
 def add_biencoder_loss_args(g):
-    flag(g, "--temperature", type=flags.positive_float, default=0.05,
-         help="softmax temperature on similarities (default 0.05 = scale 20, the value MiniLM was trained with)")
+    flag(g, "--temperature", type=flags.positive_float, default=None,
+         help="softmax temperature on similarities (default 0.05 = scale 20, the value MiniLM was trained with; "
+              "1 with --head multi-vector, whose MaxSim sums over the query's tokens: PyLate's and "
+              "sentence-transformers' scale 1)")
     flag(g, "--in-batch-negatives", action=argparse.BooleanOptionalAction, default=True,
          help="score each query against every passage in the batch, not only its own group (default on)")
     flag(g, "--gather-negatives", action=argparse.BooleanOptionalAction, default=None,
@@ -465,6 +467,9 @@ def resume_request(args):
 
 # ----- the parsers, and what is decided from several flags ---------------------------------------
 
+BIENCODER_HEADS = ("single-vector", "multi-vector")
+
+
 def biencoder_parser(description=None):
     """Every flag of train_biencoder.py."""
     p = KitParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -478,6 +483,14 @@ def biencoder_parser(description=None):
     flag(g, "--bidirectional", action="store_true",
          help="drop a decoder's causal mask (attend both ways, as NeMo Automodel's Llama bi-encoder); saved in the "
               "export's config.json (is_causal false), which transformers and sentence-transformers honour")
+    flag(g, "--head", choices=BIENCODER_HEADS, default=None,
+         help="single-vector = one pooled vector per text, scored by the dot product; multi-vector = late "
+              "interaction (ColBERT): every token's state through a trained bias-free projection to "
+              "--multi-vector-dim, L2-normalized, scored by MaxSim; exported as a sentence-transformers "
+              "MultiVectorEncoder dir (default: multi-vector for a MultiVectorEncoder dir, else single-vector)")
+    flag(g, "--multi-vector-dim", type=flags.positive_int, default=128,
+         help="--head multi-vector: the size of each token's vector (default 128, as sentence-transformers' "
+              "MultiVectorEncoder; a MultiVectorEncoder dir's own projection keeps its size)")
     add_biencoder_loss_args(p.add_argument_group("loss"))
     add_optim_args(p, lr=5e-5, max_steps=60, warmup_steps=6)
     add_precision_args(p)
@@ -586,7 +599,14 @@ def parse(parser, argv=None):
     if getattr(args, "rerank_max_length", None) and bool(args.dev_queries) != bool(args.dev_biencoder):
         raise SystemExit("--dev-queries and --dev-biencoder go together: the reranker's dev set is retrieved by a "
                          "bi-encoder export, then reranked")
-    if getattr(args, "head", None) is not None:
+    if getattr(args, "head", None) == "multi-vector":
+        if args.matryoshka_dims:
+            raise SystemExit("--matryoshka-dims: not with --head multi-vector (its token vectors are not truncated "
+                             "in training); drop one of them")
+        if args.pooling:
+            raise SystemExit(f"--pooling {args.pooling}: --head multi-vector pools nothing (every token keeps its "
+                             "vector); drop --pooling")
+    if hasattr(args, "lm_tokens"):
         if args.head == "lm" and len(args.lm_tokens) != 2:
             raise SystemExit(f"--lm-tokens: {len(args.lm_tokens)} word(s) ({','.join(args.lm_tokens)}); give exactly "
                              "two, the true word and the false word (e.g. yes,no)")

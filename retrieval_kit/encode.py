@@ -11,7 +11,10 @@ import torch
 from tqdm import tqdm
 
 from .collate import tokenize
-from .models import BiEncoder, encode
+from .models import BiEncoder, LateInteraction, encode, token_vectors
+
+
+TOKEN_STORAGE = torch.bfloat16  # a multi-vector corpus's token vectors (scored in fp32, losses.maxsim)
 
 
 @torch.no_grad()
@@ -20,6 +23,8 @@ def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
     """Embed `texts` -> (N, H) float32 tensor on CPU, rows in the order of `texts`.
 
     `model` is an HF encoder (pooled with `pooling` / `normalize`) or a BiEncoder (its own settings).
+    pooling "tokens" (--head multi-vector): (N, max_length, dim + 1) token vectors with their mask
+    channel (models.token_vectors), stored in TOKEN_STORAGE (bf16: 2 bytes a number).
     """
     was_training = model.training
     model.eval()
@@ -30,7 +35,11 @@ def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
     for s in tqdm(starts, desc=desc, disable=not progress):
         idx = order[s:s + batch_size]
         batch = tokenize(tokenizer, [texts[i] for i in idx], max_length, prefix).to(device)
-        if isinstance(model, BiEncoder):  # a (possibly FSDP2-sharded) BiEncoder: go through its forward
+        if pooling == "tokens":  # --head multi-vector: (rows, max_length, dim + 1) token vectors, stored small
+            reps = model(p=batch)["p"] if isinstance(model, LateInteraction) else token_vectors(model, batch)
+            # (columns past max_length, which a configured width may add, are padding: cut)
+            reps = torch.nn.functional.pad(reps, (0, 0, 0, max_length - reps.shape[1])).to(TOKEN_STORAGE).cpu()
+        elif isinstance(model, BiEncoder):  # a (possibly FSDP2-sharded) BiEncoder: go through its forward
             reps = model(p=batch)["p"].float().cpu()
         else:
             reps = encode(model, batch, pooling, normalize).float().cpu()
@@ -170,11 +179,13 @@ def encode_sharded(model, tokenizer, texts, max_length, prefix="", batch_size=64
     mine, _ = encode_shard(model, tokenizer, texts, max_length, prefix, batch_size, pooling, normalize, device,
                            progress, desc)
     per = -(-len(texts) // world)
-    dim = torch.tensor([mine.shape[1] if mine.numel() else 0], device=device)
-    tdist.all_reduce(dim, op=tdist.ReduceOp.MAX)
-    padded = torch.zeros(per, int(dim), device=device)
-    padded[:mine.shape[0]] = mine.to(device)
+    dims = torch.zeros(2, dtype=torch.long, device=device)  # a row's shape: (H,) or, token vectors, (W, d + 1)
+    if mine.numel():
+        dims[:mine.dim() - 1] = torch.tensor(mine.shape[1:])
+    tdist.all_reduce(dims, op=tdist.ReduceOp.MAX)
+    padded = torch.zeros(per, *[int(d) for d in dims if d], device=device)  # (gathered in fp32)
+    padded[:mine.shape[0]] = mine.to(device, torch.float32)
     parts = [torch.empty_like(padded) for _ in range(world)]
     tdist.all_gather(parts, padded)
     sizes = [len(shard(texts, r, world)) for r in range(world)]
-    return torch.cat([p[:n] for p, n in zip(parts, sizes)]).cpu()
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)]).to(mine.dtype if mine.numel() else torch.float32).cpu()

@@ -26,7 +26,7 @@ from .encode import encode_shard, encode_sharded, score_pairs
 from .export import load_exported_reranker
 from .metrics import rank_docs, retrieval_metrics
 from .models import decoder_dir, default_model_dir, embedding_size, load_encoder, load_tokenizer, prepare_embedder
-from .search import sharded_topk
+from .search import maxsim_topk, sharded_topk
 from .st_format import KIT_DEFAULTS, load_settings, resolve_biencoder_settings
 
 
@@ -77,6 +77,14 @@ def retrieve_dims(model, tokenizer, settings, beir, dims, k=100, batch_size=64, 
 
     ids, texts, queries, qrels = beir
     qids = [q for q in queries if q in qrels]
+    if settings.get("head") == "multi-vector":  # token vectors (bf16-stored), scored by exact blocked MaxSim
+        p_own, offset = encode_shard(model, tokenizer, texts, settings["passage_max_length"],
+                                     settings["passage_prefix"], batch_size, "tokens", True, device, progress, "corpus")
+        q_tok = encode_sharded(model, tokenizer, [queries[q] for q in qids], settings["query_max_length"],
+                               settings["query_prefix"], batch_size, "tokens", True, device, progress, "queries")
+        scores, idx = sharded_topk(q_tok, p_own, offset, k, len(texts), device, search=maxsim_topk)
+        run = {q: {ids[j]: s for s, j in zip(scores[i].tolist(), idx[i].tolist())} for i, q in enumerate(qids)}
+        return {d: run for d in dims if d is None}
     p_own, offset = encode_shard(model, tokenizer, texts, settings["passage_max_length"], settings["passage_prefix"],
                                  batch_size, settings["pooling"], settings["normalize"], device, progress, "corpus")
     q_emb = encode_sharded(model, tokenizer, [queries[q] for q in qids], settings["query_max_length"],

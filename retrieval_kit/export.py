@@ -36,7 +36,7 @@ from .collate import PAIR, TemplateLayout, pair_layout, pair_post_processor
 from .dist import barrier, rank, unwrap
 from .flags import writing
 from .lora import merged_state_dict, widest_dtype, write_adapter
-from .st_format import SETTINGS_FILE, load_settings, write_st_files
+from .st_format import SETTINGS_FILE, load_settings, write_multi_vector_files, write_st_files
 
 IDENTITY = "torch.nn.modules.linear.Identity"  # sentence-transformers' activation_fn path for raw logits
 PROBES = [("how do i list files", "ls lists directory contents " * 200), ("q", "p"),
@@ -74,14 +74,21 @@ def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None):
                 write_adapter(os.path.join(stage, "adapter"), weights, lora, lora["base_model"], trained)
             weights = merged_state_dict(weights, lora)
             settings = {**settings, "lora": lora}
-        dense = getattr(unwrap(model), "st_dense", None)  # a sentence-transformers Dense: its own module dir
-        dense_weights = {k[len("st_dense."):]: weights.pop(k) for k in list(weights) if k.startswith("st_dense.")}
+        multi = settings.get("head") == "multi-vector"  # the token projection: MultiVectorEncoder's 1_Dense
+        dense = getattr(unwrap(model), "multi_vector" if multi else "st_dense", None)  # a Dense: its own module dir
+        prefix = "multi_vector." if multi else "st_dense."
+        dense_weights = {k[len(prefix):]: weights.pop(k) for k in list(weights) if k.startswith(prefix)}
         dtype = str(widest_dtype(weights)).replace("torch.", "")  # (save_pretrained may empty `weights`)
         unwrap(model).save_pretrained(stage, state_dict=weights, safe_serialization=True)
         if lora:  # config.json names the first param's dtype; the merged weights are all in the widest
             _edit_json(os.path.join(stage, "config.json"), lambda c: c.update(dtype=dtype))
         tokenizer.save_pretrained(stage)
-        if settings.get("kind") == "biencoder":
+        if settings.get("kind") == "biencoder" and multi:
+            write_multi_vector_files(stage, settings, unwrap(model).config.hidden_size, dense.linear.out_features)
+            save_file({k: v.contiguous() for k, v in dense_weights.items()},
+                      os.path.join(stage, "1_Dense", "model.safetensors"))
+            settings = {**settings, "sentence_transformers": {"files": True, "warnings": []}}
+        elif settings.get("kind") == "biencoder":
             warnings = write_st_files(stage, settings, unwrap(model).config.hidden_size,
                                       dense.config() if dense is not None else None)
             if dense is not None:

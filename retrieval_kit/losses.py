@@ -18,10 +18,60 @@ from . import dist
 from .metrics import top1
 
 
+MAXSIM_BLOCK = 1 << 22  # elements of one block of token-pair similarities (16 MiB in fp32)
+
+
+def maxsim_blocks(n_queries, q_width, n_passages, p_width, budget=MAXSIM_BLOCK):
+    """[(start, end)] ranges of passages scored together by maxsim, each block's (queries, passages,
+    query tokens, passage tokens) similarity tensor at most `budget` elements (at least one passage)."""
+    step = max(1, budget // max(1, n_queries * q_width * p_width))
+    return [(s, min(s + step, n_passages)) for s in range(0, n_passages, step)]
+
+
+def _maxsim_block(qv, q_mask, p):
+    pv, pad = p[..., :-1].float(), p[..., -1] == 0  # (a bf16-stored corpus: one block in fp32)
+    sim = torch.einsum("aqd,bkd->abqk", qv, pv).masked_fill(pad[None, :, None, :], -1e4)
+    return (sim.amax(-1) * q_mask[:, None, :]).sum(-1)  # (Q, block)
+
+
+def maxsim(q, p, budget=MAXSIM_BLOCK):
+    """Late-interaction (ColBERT) scores in fp32: for each query token the best dot product with any of
+    the passage's tokens, summed over the query's tokens; (Q, P). q: (Q, Wq, d + 1), p: (P, Wp, d + 1),
+    token vectors with the token mask as the last channel (models.token_vectors): a query's padding adds
+    nothing, a passage's padding never wins. Columns that are padding in every row are dropped first;
+    then blocks of passages (maxsim_blocks) are scored one at a time, and under autograd each block is
+    recomputed in the backward (activation checkpointing) instead of kept: the (Q, P, Wq, Wp)
+    similarities never exist at once, in the forward or the backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    with torch.autocast(q.device.type, enabled=False):
+        q, p = q[:, q[..., -1].any(0)], p[:, p[..., -1].any(0)]
+        qv, q_mask = q[..., :-1].float(), q[..., -1].float()
+        grad = torch.is_grad_enabled() and (q.requires_grad or p.requires_grad)
+        out = [checkpoint(_maxsim_block, qv, q_mask, p[s:e], use_reentrant=False) if grad
+               else _maxsim_block(qv, q_mask, p[s:e])
+               for s, e in maxsim_blocks(q.shape[0], q.shape[1], p.shape[0], p.shape[1], budget)]
+        return torch.cat(out, dim=1) if out else qv.new_zeros((q.shape[0], 0))
+
+
+def maxsim_pairs(q, p):
+    """maxsim of each (q[i], p[i]) pair: (N,) fp32, from (N, Wq, d + 1) and (N, Wp, d + 1) token vectors."""
+    with torch.autocast(q.device.type, enabled=False):
+        sim = torch.einsum("nqd,nkd->nqk", q[..., :-1].float(), p[..., :-1].float())
+        sim = sim.masked_fill((p[..., -1] == 0)[:, None, :], -1e4)
+        return (sim.amax(-1) * q[..., -1].float()).sum(-1)
+
+
 def contrastive_scores(q, p, n_passages, in_batch=True):
     """Similarity logits in fp32, whatever the embeddings' dtype and any autocast around the call
     (bf16 scores near cos 0.9 step by 0.004, a logit step of 0.08 at temperature 0.05):
-    (B, P) with in-batch negatives, (B, n_passages) without."""
+    (B, P) with in-batch negatives, (B, n_passages) without. Token vectors ((rows, W, d + 1), --head
+    multi-vector) are scored by maxsim."""
+    if q.dim() == 3:
+        if in_batch:
+            return maxsim(q, p)
+        groups = p.view(q.shape[0], n_passages, *p.shape[1:])
+        return torch.cat([maxsim(q[i:i + 1], groups[i]) for i in range(q.shape[0])])  # (B, n)
     with torch.autocast(q.device.type, enabled=False):
         q, p = q.float(), p.float()
         if in_batch:

@@ -11,7 +11,8 @@ and up to `k` of the rest are kept, best first.
 import numpy as np
 import torch
 
-from .search import sharded_topk
+from .losses import maxsim_pairs
+from .search import exact_topk, maxsim_topk, sharded_topk
 from .textstore import DigestIndex, digest
 
 
@@ -87,16 +88,19 @@ def mine_sharded(q_own, q_ids, p_shard, p_ids, n_total, positives, k, skip_top=0
     depth = min(n_total, depth or (k + skip_top + 50))
     local = torch.full((n_total,), -1, dtype=torch.long)  # passage index -> its row here (-1: another rank's)
     local[p_ids] = torch.arange(len(p_ids))
-    shape = torch.tensor([q_own.shape[0], q_own.shape[1] if q_own.numel() else 0], device=device)
+    shape = torch.zeros(4, dtype=torch.long, device=device)  # queries here, then a row's shape
+    if q_own.numel():
+        shape[:q_own.dim()] = torch.tensor(q_own.shape)
     if world > 1:
         tdist.all_reduce(shape, op=tdist.ReduceOp.MAX)
-    most, dim = (int(x) for x in shape)
+    most, row_shape = int(shape[0]), [int(x) for x in shape[1:] if x]
+    tokens = len(row_shape) == 2  # --head multi-vector: (queries, width, dim + 1) token vectors, MaxSim
     out = []
     for start in range(0, most, block):
         q, ids = q_own[start:start + block], q_ids[start:start + block]
         sizes = [q.shape[0]]
         if world > 1:
-            padded = torch.zeros(block, dim, device=device)
+            padded = torch.zeros(block, *row_shape, device=device)
             if q.shape[0]:  # (a rank without queries holds a (0, 0) tensor)
                 padded[:q.shape[0]] = q.to(device)
             numbers = torch.full((block,), -1, dtype=torch.long, device=device)  # -1: no query in that row
@@ -114,12 +118,15 @@ def mine_sharded(q_own, q_ids, p_shard, p_ids, n_total, positives, k, skip_top=0
         here = cols >= 0  # positives held by this rank
         best = torch.full((len(ids),), float("-inf"))
         if here.any():
-            best.scatter_reduce_(0, rows[here], (q[rows[here]] * p_shard[cols[here]]).sum(-1), reduce="amax")
+            pair = maxsim_pairs(q[rows[here]], p_shard[cols[here]]) if tokens else \
+                (q[rows[here]] * p_shard[cols[here]]).sum(-1)
+            best.scatter_reduce_(0, rows[here], pair, reduce="amax")
         if world > 1:
             best = best.to(device)
             tdist.all_reduce(best, op=tdist.ReduceOp.MAX)
             best = best.cpu()
-        top = by_score_then_id(*sharded_topk(q, p_shard, p_ids, depth, n_total, device))
+        top = by_score_then_id(*sharded_topk(q, p_shard, p_ids, depth, n_total, device,
+                                             search=maxsim_topk if tokens else exact_topk))
         a = sum(sizes[:me])
         b = a + sizes[me]
         negs = filter_candidates(top[0][a:b], top[1][a:b], [positives[i] for i in ids[a:b].tolist()], best[a:b], k,
@@ -297,13 +304,14 @@ def main(argv=None):
     if ctx.is_main:
         check_parts(parts, manifest)
     dist.barrier()
+    pooling = "tokens" if s.get("head") == "multi-vector" else s["pooling"]  # token vectors: MaxSim search
     with flags.writing(args.out, then=f"the blocks encoded so far are kept in {parts}: free space, then run the "
                                       "same command again"):
         p_shard, p_ids = encode_blocks(enc, tok, texts, s["passage_max_length"], s["passage_prefix"], args.batch_size,
-                                       s["pooling"], s["normalize"], ctx.device, parts, "passages", args.block_size,
+                                       pooling, s["normalize"], ctx.device, parts, "passages", args.block_size,
                                        ctx.is_main)
         q_own, q_ids = encode_blocks(enc, tok, [r.query for r in records], s["query_max_length"], s["query_prefix"],
-                                     args.batch_size, s["pooling"], s["normalize"], ctx.device, parts, "queries",
+                                     args.batch_size, pooling, s["normalize"], ctx.device, parts, "queries",
                                      args.block_size, ctx.is_main)
     dist.print0(f"candidates: {len(texts):,} passages, each rank encoding and searching its blocks of them for "
                 f"its blocks of the {len(records):,} queries ({ctx.world_size} rank{'s' if ctx.world_size > 1 else ''}"

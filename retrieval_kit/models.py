@@ -136,6 +136,73 @@ def attach_st_dense(model, path, dtype=None, meta=False):
     return model
 
 
+def attach_multi_vector(model, dim, seed=0, meta=False, path=None):
+    """--head multi-vector: a bias-free linear projection of every token's state to `dim`, as
+    `model.multi_vector` (an STDense with no activation: sentence-transformers' token-level Dense of a
+    MultiVectorEncoder), trained with the encoder and riding on the Hugging Face model as st_dense does.
+    A dir `path` that brings one (a MultiVectorEncoder dir, st_format.read_multi_vector) gives its size and weights;
+    else the init is torch's nn.Linear init drawn from a generator seeded by `seed`: the same on every
+    rank and in every world size."""
+    from .st_format import read_multi_vector
+
+    hidden = model.config.hidden_size
+    spec = read_multi_vector(path) if path else None
+    if spec is not None:
+        dim = spec["out_features"]
+    with torch.device("meta" if meta else "cpu"):
+        dense = STDense(hidden, dim, bias=False, activation_function="torch.nn.modules.linear.Identity")
+    if not meta:
+        if spec is not None:
+            from safetensors.torch import load_file
+
+            dense.load_state_dict(load_file(os.path.join(spec["path"], "model.safetensors")))
+        else:
+            bound = 1.0 / hidden ** 0.5  # nn.Linear's kaiming_uniform(a=sqrt(5)) bound, from a fixed generator
+            gen = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                dense.linear.weight.uniform_(-bound, bound, generator=gen)
+    dtype = next(model.parameters()).dtype
+    model.multi_vector = dense.to(dtype)
+    return model
+
+
+def token_vectors(model, batch, width=None):
+    """--head multi-vector: each token's state through `model.multi_vector`, L2-normalized, in fp32:
+    (B, width, dim + 1), the last channel the token mask (1 = a token MaxSim scores, 0 = padding),
+    padded with zero rows to `width` (None: the batch's own) so chunks and ranks concatenate."""
+    extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
+    hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).last_hidden_state
+    dense = model.multi_vector
+    vec = F.normalize(dense(hidden.to(dense.linear.weight.dtype)).float(), dim=-1)
+    mask = batch["attention_mask"].to(vec.dtype).unsqueeze(-1)
+    out = torch.cat([vec * mask, mask], dim=-1)
+    if width is not None:
+        if out.shape[1] > width:
+            raise ValueError(f"a batch {out.shape[1]} tokens wide; the multi-vector width is {width}")
+        out = F.pad(out, (0, 0, 0, width - out.shape[1]))
+    return out
+
+
+class LateInteraction(torch.nn.Module):
+    """--head multi-vector's model: encoder + token projection as one module (one forward per
+    backward, as BiEncoder): `model(q=q_batch, p=p_batch)` -> {"q": (B, Wq, dim + 1), "p": (B * n,
+    Wp, dim + 1)} (token_vectors), each name padded to its width in `widths` ({name: tokens}; others:
+    their batch's own). A batch is a tokenized dict or a chunking.Chunked."""
+
+    def __init__(self, encoder, widths=None):
+        super().__init__()
+        self.encoder, self.widths = encoder, dict(widths or {})
+
+    def embed(self, batch, width=None):
+        if isinstance(batch, Chunked):
+            width = width or batch.batch["input_ids"].shape[1]
+            return run_chunked(lambda b: token_vectors(self.encoder, b, width), batch)
+        return token_vectors(self.encoder, batch, width)
+
+    def forward(self, **batches):
+        return {name: self.embed(b, self.widths.get(name)) for name, b in batches.items()}
+
+
 def embedding_size(model):
     """The size of the embeddings `encode` gives: the Dense module's output, else the hidden size."""
     dense = getattr(model, "st_dense", None)
@@ -198,6 +265,10 @@ def load_encoder(path, dtype=torch.float32, trust_remote_code=False, attn_implem
     if getattr(model, "pooler", None) is not None:
         # BERT-style pooler head: our pooling replaces it, and params that get no grad would stall DDP
         model.pooler.requires_grad_(False)
+    from .st_format import read_multi_vector
+
+    if read_multi_vector(path) is not None:  # a MultiVectorEncoder dir: its token projection
+        return attach_multi_vector(model, 0, meta=meta, path=path)
     return attach_st_dense(model, path, dtype, meta)  # a sentence-transformers Dense after the pooling
 
 

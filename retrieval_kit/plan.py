@@ -69,13 +69,18 @@ def defaulted_shape(model_dir, config):
 
 def main(argv=None):
     from . import cli, flags, lora
-    from .models import fresh_head_params, load_encoder, load_lm_reranker, load_reranker
+    from .losses import MAXSIM_BLOCK
+    from .models import attach_multi_vector, fresh_head_params, load_encoder, load_lm_reranker, load_reranker
     from .precision import resolve, trained_dtype
 
     ap = cli.KitParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=flags.model_path, help="model dir (or a dir holding only its config.json)")
-    ap.add_argument("--kind", choices=("biencoder", "reranker", "lm-reranker"), default="biencoder",
-                    help="what is trained: the encoder, a one-logit classifier, or a causal LM (default biencoder)")
+    ap.add_argument("--kind", choices=("biencoder", "multi-vector", "reranker", "lm-reranker"), default="biencoder",
+                    help="what is trained: the encoder, the encoder with a multi-vector token projection "
+                         "(train_biencoder.py --head multi-vector), a one-logit classifier, or a causal LM "
+                         "(default biencoder)")
+    ap.add_argument("--multi-vector-dim", type=flags.positive_int, default=128,
+                    help="--kind multi-vector: each token's vector size (default 128)")
     ap.add_argument("--world-size", type=flags.positive_int, default=1, help="ranks (default 1)")
     ap.add_argument("--parallel", choices=("ddp", "fsdp2"), default="ddp", help="default ddp")
     ap.add_argument("--torch-dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
@@ -88,15 +93,24 @@ def main(argv=None):
         g.add_argument(name, type=action.type, default=action.default, help=action.help)
     a = ap.parse_args(argv)
     storage, _, _ = resolve(a.torch_dtype, a.force_fp32_params, "none", a.parallel, a.lora_rank > 0)
-    load = {"biencoder": load_encoder, "reranker": load_reranker, "lm-reranker": load_lm_reranker}[a.kind]
+    load = {"biencoder": load_encoder, "multi-vector": load_encoder, "reranker": load_reranker,
+            "lm-reranker": load_lm_reranker}[a.kind]
     model = load(a.model, storage, meta=True)  # shapes and dtypes only
+    if a.kind == "multi-vector" and not hasattr(model, "multi_vector"):
+        attach_multi_vector(model, a.multi_vector_dim, meta=True)
     assumed = defaulted_shape(a.model, model.config)
     if assumed:
         print(f"note: {a.model}/config.json does not set {', '.join(assumed)}: planned with transformers' defaults "
               f"for {model.config.model_type} ({', '.join(f'{k} {v}' for k, v in assumed.items())})")
-    lora.apply_each([model], a.lora_rank, train=fresh_head_params if a.kind == "reranker" else None, alpha=1.0,
+    train = {"reranker": fresh_head_params, "multi-vector": lambda m: list(m.multi_vector.parameters())}.get(a.kind)
+    lora.apply_each([model], a.lora_rank, train=train, alpha=1.0,
                     targets=tuple(a.lora_targets), dtype=trained_dtype(storage, a.force_fp32_params))
     print(describe(memory_plan(model, a.world_size, a.parallel)))
+    if a.kind == "multi-vector":
+        print(f"multi-vector head: the projection ({model.config.hidden_size} x {model.multi_vector.linear.out_features}) "
+              f"is in the plan; MaxSim scores are computed in blocks of at most {MAXSIM_BLOCK:,} token-pair "
+              f"similarities ({MAXSIM_BLOCK * 4 / 2 ** 20:.0f} MiB in fp32, losses.maxsim_blocks), plus the "
+              "gathered token vectors: ranks x queries x width x (dim + 1) fp32 numbers, passages likewise")
 
 
 if __name__ == "__main__":

@@ -27,18 +27,44 @@ def exact_topk(q_emb, p_emb, k, query_chunk=256, corpus_chunk=8192):
     return torch.cat(all_scores), torch.cat(all_idx)
 
 
-def sharded_topk(q_emb, p_shard, offset, k, n_total, device="cpu"):
+def maxsim_topk(q_tok, p_tok, k, query_chunk=64, corpus_chunk=1024):
+    """exact_topk for --head multi-vector token vectors (models.token_vectors; the corpus's may be
+    stored in bf16): MaxSim scores (losses.maxsim, fp32, in blocks of at most losses.MAXSIM_BLOCK token
+    pairs) for query_chunk x corpus_chunk blocks, merged into a running top-k. Besides the stored
+    vectors, memory holds one block's similarities and one corpus chunk in fp32."""
+    from .losses import maxsim
+
+    k = min(k, p_tok.shape[0])
+    all_scores, all_idx = [], []
+    for qs in range(0, q_tok.shape[0], query_chunk):
+        q = q_tok[qs:qs + query_chunk].float()
+        best_s = torch.full((q.shape[0], 0), float("-inf"), device=q.device)
+        best_i = torch.zeros((q.shape[0], 0), dtype=torch.long, device=q.device)
+        for ps in range(0, p_tok.shape[0], corpus_chunk):
+            s = maxsim(q, p_tok[ps:ps + corpus_chunk])  # (q, c)
+            cand_s = torch.cat([best_s, s], dim=1)
+            cand_i = torch.cat([best_i, torch.arange(ps, ps + s.shape[1], device=q.device).expand(q.shape[0], -1)],
+                               dim=1)
+            top = cand_s.topk(min(k, cand_s.shape[1]), dim=1)
+            best_s, best_i = top.values, cand_i.gather(1, top.indices)
+        all_scores.append(best_s)
+        all_idx.append(best_i)
+    return torch.cat(all_scores), torch.cat(all_idx)
+
+
+def sharded_topk(q_emb, p_shard, offset, k, n_total, device="cpu", search=exact_topk):
     """Exact top-k by inner product over a corpus split over the ranks: each rank searches its own
     shard (`p_shard`: rows offset..offset+len of the corpus, or, with `offset` a LongTensor, the rows
     it lists) on `device`, then the (Q, k) candidates
     of every rank are all-gathered and merged. No rank holds more than its shard of the corpus;
-    the result is exact_topk's over the whole corpus (up to the order of tied scores). Returns
+    the result is `search`'s (exact_topk, or maxsim_topk for token vectors) over the whole corpus (up
+    to the order of tied scores). Returns
     (scores, indices into the whole corpus), (Q, min(k, n_total)), best first, on the CPU."""
     import torch.distributed as tdist
 
     q = q_emb.to(device)
     if p_shard.shape[0]:
-        s, i = exact_topk(q, p_shard.to(device), k)
+        s, i = search(q, p_shard.to(device), k)
     else:
         s = torch.empty((q.shape[0], 0), device=device)
         i = torch.empty((q.shape[0], 0), dtype=torch.long, device=device)

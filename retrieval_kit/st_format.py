@@ -18,7 +18,7 @@ import os
 
 SETTINGS_FILE = "retrieval_kit.json"  # the kit's own settings, beside an exported model
 KIT_DEFAULTS = {"pooling": "avg", "normalize": True, "query_prefix": "", "passage_prefix": "",
-                "query_max_length": 32, "passage_max_length": 128, "include_prompt": True}
+                "query_max_length": 32, "passage_max_length": 128, "include_prompt": True, "head": "single-vector"}
 SETTING_KEYS = tuple(KIT_DEFAULTS)
 # sentence-transformers pooling modes -> the kit's
 ST_POOLING = {"mean": "avg", "cls": "cls", "lasttoken": "last"}
@@ -53,8 +53,12 @@ def read_st_settings(model_dir):
     if not os.path.isfile(modules_path):
         return {}
     out = {"normalize": False}
+    if read_multi_vector(model_dir) is not None:  # a MultiVectorEncoder: token vectors, per-task lengths
+        out.update(head="multi-vector", normalize=True)
     for m in _json(modules_path):
         kind = m.get("type", "").rsplit(".", 1)[-1]
+        if kind == "MultiVectorMask":
+            continue
         if kind == "Pooling":
             path = os.path.join(model_dir, m.get("path", ""), "config.json")
             config = _json(path)
@@ -75,6 +79,10 @@ def read_st_settings(model_dir):
         max_len = max_len if isinstance(max_len, int) and max_len < 1_000_000 else None  # "no limit" sentinels
     if max_len:
         out["query_max_length"] = out["passage_max_length"] = int(max_len)
+    if os.path.isfile(sbert):  # a MultiVectorEncoder's per-task lengths
+        for key, ours in (("query_length", "query_max_length"), ("document_length", "passage_max_length")):
+            if _json(sbert).get(key):
+                out[ours] = int(_json(sbert)[key])
     st_config = os.path.join(model_dir, "config_sentence_transformers.json")
     prompts = {}
     if os.path.isfile(st_config):
@@ -105,6 +113,74 @@ DENSE_ACTIVATIONS = ("torch.nn.modules.activation.Tanh", "torch.nn.modules.linea
                      "torch.nn.modules.activation.Sigmoid")
 
 
+MULTI_VECTOR_LAYOUT = ("Transformer", "Dense", "MultiVectorMask", "Normalize")  # MultiVectorEncoder's default
+
+
+def read_multi_vector(model_dir):
+    """A sentence-transformers MultiVectorEncoder dir's token projection: {"path", "in_features",
+    "out_features"}, or None for any other dir. The kit carries MultiVectorEncoder's default layout
+    (Transformer, a bias-free identity Dense on token_embeddings, MultiVectorMask, Normalize) with no
+    skiplist and no query expansion; anything else is one sentence."""
+    modules_path = os.path.join(model_dir, "modules.json")
+    if not os.path.isfile(modules_path):
+        return None
+    modules = _json(modules_path)
+    kinds = tuple(m.get("type", "").rsplit(".", 1)[-1] for m in modules)
+    if "MultiVectorMask" not in kinds:
+        return None
+    problem = None
+    dense = _json(os.path.join(model_dir, modules[1].get("path", ""), "config.json")) if kinds[1:2] == ("Dense",) else {}
+    mask = _json(os.path.join(model_dir, modules[2].get("path", ""), "config.json")) if len(modules) > 2 else {}
+    sbert_path = os.path.join(model_dir, "sentence_bert_config.json")
+    sbert = _json(sbert_path) if os.path.isfile(sbert_path) else {}
+    if kinds != MULTI_VECTOR_LAYOUT:
+        problem = f"modules {', '.join(kinds)} (the kit carries {', '.join(MULTI_VECTOR_LAYOUT)})"
+    elif dense.get("bias") or dense.get("activation_function", "torch.nn.modules.linear.Identity") != \
+            "torch.nn.modules.linear.Identity":
+        problem = "a token projection with a bias or an activation (the kit trains a bias-free linear one)"
+    elif mask.get("skiplist_words") or mask.get("keep_only_token_ids"):
+        problem = "a MultiVectorMask that drops tokens from scoring (skiplist_words / keep_only_token_ids)"
+    elif sbert.get("query_expansion"):
+        problem = "query expansion (query_expansion in sentence_bert_config.json)"
+    if problem:
+        raise SystemExit(f"{modules_path}: {problem}; the kit does not reproduce it: fine-tune it with "
+                         "sentence-transformers")
+    return {"path": os.path.join(model_dir, modules[1].get("path", "")), "in_features": dense["in_features"],
+            "out_features": dense["out_features"]}
+
+
+def write_multi_vector_files(out_dir, settings, hidden_size, dim):
+    """Write the sentence-transformers MultiVectorEncoder files of a --head multi-vector export, in the
+    layout MultiVectorEncoder 6.3 saves for a fresh model: Transformer (token_embeddings, per-task
+    lengths query_length / document_length), 1_Dense (the projection: its weights are written by the
+    export), 2_MultiVectorMask (no skiplist), 3_Normalize; MaxSim similarity, the prefixes as prompts."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Dense", "type": "sentence_transformers.base.modules.dense.Dense"},
+               {"idx": 2, "name": "2", "path": "2_MultiVectorMask",
+                "type": "sentence_transformers.multi_vector_encoder.modules.multi_vector_mask.MultiVectorMask"},
+               {"idx": 3, "name": "3", "path": "3_Normalize", "type": "sentence_transformers.base.modules.normalize.Normalize"}]
+    tokens = {"module_input_name": "token_embeddings", "module_output_name": "token_embeddings"}
+    files = {"modules.json": modules,
+             "sentence_bert_config.json": {
+                 "transformer_task": "feature-extraction",
+                 "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
+                 "module_output_name": "token_embeddings", "max_seq_length": settings["passage_max_length"],
+                 "query_length": settings["query_max_length"], "document_length": settings["passage_max_length"]},
+             os.path.join("1_Dense", "config.json"): {"in_features": hidden_size, "out_features": dim, "bias": False,
+                                                      "activation_function": "torch.nn.modules.linear.Identity",
+                                                      **tokens},
+             os.path.join("2_MultiVectorMask", "config.json"): {"skiplist_words": [], "skiplist_tasks": ["document"],
+                                                               "keep_only_token_ids": None},
+             os.path.join("3_Normalize", "config.json"): tokens,
+             "config_sentence_transformers.json": {
+                 "model_type": "MultiVectorEncoder", "similarity_fn_name": "maxsim", "default_prompt_name": None,
+                 "prompts": {"query": settings["query_prefix"], "document": settings["passage_prefix"]}}}
+    for name, obj in files.items():
+        os.makedirs(os.path.dirname(os.path.join(out_dir, name)), exist_ok=True)
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(obj, f, indent=2)
+
+
 def read_st_dense(model_dir):
     """The Dense projection a sentence-transformers dir applies after pooling (before Normalize):
     {"path", "in_features", "out_features", "bias", "activation_function"}, or None. One Dense, after
@@ -114,7 +190,7 @@ def read_st_dense(model_dir):
         return None
     modules = _json(modules_path)
     kinds = [m.get("type", "").rsplit(".", 1)[-1] for m in modules]
-    if "Dense" not in kinds:
+    if "Dense" not in kinds or "MultiVectorMask" in kinds:  # (a MultiVectorEncoder's Dense: read_multi_vector)
         return None
     i = kinds.index("Dense")
     config = _json(os.path.join(model_dir, modules[i].get("path", ""), "config.json"))
@@ -157,7 +233,7 @@ def resolve_biencoder_settings(model_dir, flags, defaults=KIT_DEFAULTS):
         elif k in st:
             out[k] = from_st[k] = st[k]
         else:
-            out[k] = defaults[k]
+            out[k] = defaults.get(k, KIT_DEFAULTS[k])
     if out["include_prompt"] is False:  # the prefixes' tokens stay out of the pooling (collate.tokenize)
         from .collate import PooledWithout
 

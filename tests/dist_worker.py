@@ -26,7 +26,8 @@ from retrieval_kit.records import read_records  # noqa: E402
 from retrieval_kit.chunking import chunk_batch  # noqa: E402
 from retrieval_kit.collate import collate_biencoder, collate_rerank  # noqa: E402
 from retrieval_kit.losses import contrastive_loss, listwise_loss  # noqa: E402
-from retrieval_kit.models import BiEncoder, CrossEncoder, load_encoder, load_reranker  # noqa: E402
+from retrieval_kit.models import (BiEncoder, CrossEncoder, LateInteraction, attach_multi_vector, load_encoder,  # noqa: E402
+                                  load_reranker)
 
 B, N, TEMP = 4, 3, 0.05  # queries per rank, passages per group
 # Adam's first steps move each weight by about lr * sign(grad): a grad that is ~0 in both runs can
@@ -79,10 +80,18 @@ def bi_step(model, opt, tok, queries, groups, gather, label_offset, max_norm, us
     return total, norm
 
 
+def bi_model(enc):
+    """BiEncoder, or LateInteraction (token vectors) for an encoder with a multi-vector projection."""
+    return LateInteraction(enc, WIDTHS) if hasattr(enc, "multi_vector") else BiEncoder(enc)
+
+
+WIDTHS = {"q": 16, "p": 32}  # the multi-vector widths: collate_biencoder's max lengths below
+
+
 def reference_bi(enc0, tok, steps, max_norm, accum=1, world=2):
     """One process, no wrapper: micro-batch m of the global batch = every rank's micro-batch m."""
     enc = copy.deepcopy(enc0)
-    model = BiEncoder(enc)
+    model = bi_model(enc)
     opt = optim.build_optimizer(optim.param_groups(enc, 0.01), LR)
     losses, norms, grads = [], [], {}
     for queries, groups in steps:
@@ -125,7 +134,7 @@ def rank_spread(enc):
 
 def run_bi(ctx, enc0, tok, steps, wrap, gather=True, max_norm=1.0, use_buckets=False, accum=1, kw=None, grad_cache=0):
     enc = copy.deepcopy(enc0)
-    model = BiEncoder(enc)
+    model = bi_model(enc)
     if wrap == "ddp":
         model = dist.wrap_ddp(model, ctx, **(kw or {}))
     elif wrap == "fsdp2":
@@ -206,6 +215,13 @@ def main():
     compare("ddp_grad_cache_accum2", run_bi(ctx, enc0, tok, steps, "ddp", accum=2, grad_cache=24), ref_acc)
     # control: without the gather each rank only sees its own passages - the check must notice
     compare("control_no_gather", run_bi(ctx, enc0, tok, steps, "ddp", gather=False), ref)
+    # --head multi-vector: token vectors (and their masks) gathered with their gradients, MaxSim scores
+    mv0 = attach_multi_vector(copy.deepcopy(enc0), 8, 0)
+    ref_mv = reference_bi(mv0, tok, steps, 1.0)
+    compare("multi_vector_ddp_vs_single", run_bi(ctx, mv0, tok, steps, "ddp"), ref_mv)
+    compare("multi_vector_fsdp2_vs_single", run_bi(ctx, mv0, tok, steps, "fsdp2"), ref_mv)
+    compare("multi_vector_ddp_grad_cache", run_bi(ctx, mv0, tok, steps, "ddp", grad_cache=24), ref_mv)
+    compare("multi_vector_control_no_gather", run_bi(ctx, mv0, tok, steps, "ddp", gather=False), ref_mv)
 
     # ----- LoRA (issue 26): adapters on the frozen base, under DDP, FSDP2, GradCache + accumulation and
     # activation checkpointing, vs one process; lora_B drawn non-zero so every adapter gets a gradient

@@ -37,7 +37,8 @@ EXACT = ["ddp_vs_single", "fsdp2_vs_single", "fsdp2_no_reshard_vs_single", "ddp_
          "ddp_bucket_clip", "ddp_accum2", "ddp_static_graph_accum2", "fsdp2_accum2",
          "ddp_grad_cache", "fsdp2_grad_cache", "ddp_grad_cache_accum2",
          "lora_ddp_vs_single", "lora_fsdp2_vs_single", "lora_fsdp2_accum2", "lora_ddp_grad_cache_accum2",
-         "lora_ddp_activation_checkpointing"]
+         "lora_ddp_activation_checkpointing",
+         "multi_vector_ddp_vs_single", "multi_vector_fsdp2_vs_single", "multi_vector_ddp_grad_cache"]
 
 
 @pytest.mark.parametrize("check", EXACT)
@@ -56,6 +57,7 @@ def test_lora_puts_no_gradient_on_the_frozen_base(results, check):
 
 def test_the_check_catches_missing_cross_device_negatives(results):
     assert results["control_no_gather"]["loss_diff"] > 1e-3
+    assert results["multi_vector_control_no_gather"]["loss_diff"] > 1e-3  # MaxSim over gathered token vectors
 
 
 def test_fsdp2_bf16_compute_keeps_fp32_master_weights(results):
