@@ -16,10 +16,10 @@ from retrieval_kit import ckpt, cli, data, dist, dropout, evaluate, log, loop, l
 from retrieval_kit.collate import biencoder_inputs
 from retrieval_kit.export import export_model, model_card
 from retrieval_kit.formats import exit_on_data_error
-from retrieval_kit.losses import biencoder_loss, contrastive_loss, matryoshka, matryoshka_plan
+from retrieval_kit.losses import Flops, biencoder_loss, contrastive_loss, matryoshka, matryoshka_plan
 from retrieval_kit.metrics import WindowedAverage
-from retrieval_kit.models import (BiEncoder, LateInteraction, attach_multi_vector, default_model_dir, embedding_size,
-                                  load_encoder, load_once, load_tokenizer, prepare_embedder)
+from retrieval_kit.models import (BiEncoder, LateInteraction, Splade, attach_multi_vector, default_model_dir,
+                                  embedding_loader, embedding_size, load_once, load_tokenizer, prepare_embedder, vocab_head)
 
 
 def parse_args(argv=None):
@@ -34,8 +34,11 @@ def setup_head(args, settings, encoder, source):
     is trained in full beside the adapters - the projection - or None)."""
     dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights, embedding_size(encoder))
     multi = settings["head"] == "multi-vector"
-    if args.temperature is None:
-        args.temperature = 1.0 if multi else 0.05
+    if args.temperature is None:  # (sparse: the dot product of unnormalized weights, scale 1, as SpladeLoss)
+        args.temperature = 0.05 if settings["head"] == "single-vector" else 1.0
+    if settings["head"] == "sparse":  # a vocabulary head tied to the embeddings trains its own parameters only
+        tied = lambda m: {id(p) for p in m.get_input_embeddings().parameters()}  # noqa: E731
+        return dims, lambda m: [p for p in vocab_head(m).parameters() if id(p) not in tied(m)]
     if not multi:
         return dims, None
     if dims[0]:
@@ -48,9 +51,21 @@ def setup_head(args, settings, encoder, source):
     return dims, lambda m: list(m.multi_vector.parameters())
 
 
+def sparse_regularizer(args, settings, state, world):
+    """--head sparse: the FLOPS regularizer (losses.Flops) with --flops-weights, warmed up over
+    --flops-warmup-steps (default a third of --max-steps); None for the other heads."""
+    if settings["head"] != "sparse":
+        return None
+    warmup = args.max_steps // 3 if args.flops_warmup_steps is None else args.flops_warmup_steps
+    return Flops(args.flops_weights, warmup, state, 1.0 / (world * args.grad_accum_steps))
+
+
 def embedder(encoder, settings, multiple):
-    """The module the step runs: BiEncoder (pooled vectors), or LateInteraction (token vectors) padded to
-    fixed widths, the max lengths as collate pads them, so that chunks and ranks concatenate."""
+    """The module the step runs: BiEncoder (pooled vectors), Splade (vocabulary-sized vectors), or
+    LateInteraction (token vectors) padded to fixed widths, the max lengths as collate pads them, so that
+    chunks and ranks concatenate."""
+    if settings["head"] == "sparse":
+        return Splade(encoder)
     if settings["head"] != "multi-vector":
         return BiEncoder(encoder, settings["pooling"], settings["normalize"])
     widths = {"q": settings["query_max_length"], "p": settings["passage_max_length"]}
@@ -75,10 +90,10 @@ def main():
     storage_dtype, compute_dtype, autocast_dtype = cli.precision_dtypes(args)  # precision.resolve
     model_dir = args.model or default_model_dir()
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
-    encoder, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
-        functools.partial(load_encoder, model_dir, storage_dtype, args.trust_remote_code, args.attn_implementation,
-                          **cli.load_settings(args)), args.parallel == "fsdp2", ctx)
     settings = evaluate.biencoder_settings(model_dir, cli.setting_overrides(args))  # says what the dir set
+    encoder, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
+        functools.partial(embedding_loader(settings["head"]), model_dir, storage_dtype, args.trust_remote_code,
+                          args.attn_implementation, **cli.load_settings(args)), args.parallel == "fsdp2", ctx)
     settings.update(prepare_embedder(tokenizer, encoder, settings, args.append_eos, args.bidirectional,
                                      args.pad_to_multiple_of))  # a decoder: pad left, EOS; lengths checked
     dims, trained_head = setup_head(args, settings, encoder, source)  # Matryoshka; multi-vector: the projection
@@ -115,7 +130,7 @@ def main():
         gather=gather, label_offset=ctx.rank * args.batch_size * args.n_passages if gather else 0,
         contrastive=matryoshka(contrastive_loss, *dims, settings["normalize"]) if dims[0] else contrastive_loss,
         mask_duplicates=args.mask_duplicates, distill_weight=args.distill_weight,
-        teacher_temperature=args.teacher_temperature)
+        teacher_temperature=args.teacher_temperature, flops=sparse_regularizer(args, settings, state, ctx.world_size))
     fwd_bwd = loop.step_fn(args.grad_cache, loss_fn, args.grad_accum_steps, (ctx.device.type, autocast_dtype))
     val_score = functools.partial(loop.biencoder_group_scores, collate=collate, temperature=args.temperature,
                                   device=ctx.device, autocast_dtype=autocast_dtype,

@@ -467,7 +467,7 @@ def resume_request(args):
 
 # ----- the parsers, and what is decided from several flags ---------------------------------------
 
-BIENCODER_HEADS = ("single-vector", "multi-vector")
+BIENCODER_HEADS = ("single-vector", "multi-vector", "sparse")
 
 
 def biencoder_parser(description=None):
@@ -487,11 +487,21 @@ def biencoder_parser(description=None):
          help="single-vector = one pooled vector per text, scored by the dot product; multi-vector = late "
               "interaction (ColBERT): every token's state through a trained bias-free projection to "
               "--multi-vector-dim, L2-normalized, scored by MaxSim; exported as a sentence-transformers "
-              "MultiVectorEncoder dir (default: multi-vector for a MultiVectorEncoder dir, else single-vector)")
+              "MultiVectorEncoder dir; sparse = learned sparse (SPLADE): log(1 + relu) of the vocabulary logits of "
+              "the model's MLM / LM head, max over the tokens, scored by the dot product, with the FLOPS regularizer "
+              "(--flops-weights); exported as a SparseEncoder dir (default: the model dir's kind - "
+              "MultiVectorEncoder, SparseEncoder - else single-vector)")
     flag(g, "--multi-vector-dim", type=flags.positive_int, default=128,
          help="--head multi-vector: the size of each token's vector (default 128, as sentence-transformers' "
               "MultiVectorEncoder; a MultiVectorEncoder dir's own projection keeps its size)")
-    add_biencoder_loss_args(p.add_argument_group("loss"))
+    loss = p.add_argument_group("loss")
+    add_biencoder_loss_args(loss)
+    flag(loss, "--flops-weights", type=flags.listed(flags.nonneg_float), default=[5e-5, 3e-5],
+         help="--head sparse: the FLOPS regularizer's weights for queries and documents (default 5e-5,3e-5, "
+              "sentence-transformers' SpladeLoss example)")
+    flag(loss, "--flops-warmup-steps", type=flags.nonneg_int, default=None,
+         help="--head sparse: the FLOPS weights rise quadratically from 0 over these optimizer steps (default a "
+              "third of --max-steps, as sentence-transformers' SpladeRegularizerWeightSchedulerCallback)")
     add_optim_args(p, lr=5e-5, max_steps=60, warmup_steps=6)
     add_precision_args(p)
     add_lora_args(p)
@@ -599,13 +609,16 @@ def parse(parser, argv=None):
     if getattr(args, "rerank_max_length", None) and bool(args.dev_queries) != bool(args.dev_biencoder):
         raise SystemExit("--dev-queries and --dev-biencoder go together: the reranker's dev set is retrieved by a "
                          "bi-encoder export, then reranked")
-    if getattr(args, "head", None) == "multi-vector":
+    if getattr(args, "flops_weights", None) is not None and len(args.flops_weights) != 2:
+        raise SystemExit(f"--flops-weights: {len(args.flops_weights)} value(s); give two, the query's and the "
+                         "document's (e.g. 5e-5,3e-5)")
+    if getattr(args, "head", None) in ("multi-vector", "sparse"):
         if args.matryoshka_dims:
-            raise SystemExit("--matryoshka-dims: not with --head multi-vector (its token vectors are not truncated "
-                             "in training); drop one of them")
+            raise SystemExit(f"--matryoshka-dims: not with --head {args.head} (its vectors are not truncated in "
+                             "training); drop one of them")
         if args.pooling:
-            raise SystemExit(f"--pooling {args.pooling}: --head multi-vector pools nothing (every token keeps its "
-                             "vector); drop --pooling")
+            raise SystemExit(f"--pooling {args.pooling}: --head {args.head} has its own pooling (every token keeps "
+                             "its vector / max over the tokens); drop --pooling")
     if hasattr(args, "lm_tokens"):
         if args.head == "lm" and len(args.lm_tokens) != 2:
             raise SystemExit(f"--lm-tokens: {len(args.lm_tokens)} word(s) ({','.join(args.lm_tokens)}); give exactly "

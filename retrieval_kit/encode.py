@@ -11,7 +11,7 @@ import torch
 from tqdm import tqdm
 
 from .collate import tokenize
-from .models import BiEncoder, LateInteraction, encode, token_vectors
+from .models import BiEncoder, LateInteraction, Splade, encode, sparse_vectors, token_vectors
 
 
 TOKEN_STORAGE = torch.bfloat16  # a multi-vector corpus's token vectors (scored in fp32, losses.maxsim)
@@ -24,7 +24,8 @@ def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
 
     `model` is an HF encoder (pooled with `pooling` / `normalize`) or a BiEncoder (its own settings).
     pooling "tokens" (--head multi-vector): (N, max_length, dim + 1) token vectors with their mask
-    channel (models.token_vectors), stored in TOKEN_STORAGE (bf16: 2 bytes a number).
+    channel (models.token_vectors), stored in TOKEN_STORAGE (bf16: 2 bytes a number); pooling "sparse"
+    (--head sparse): (N, V) sparse COO, the vectors' non-zeros only (models.sparse_vectors).
     """
     was_training = model.training
     model.eval()
@@ -39,6 +40,9 @@ def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
             reps = model(p=batch)["p"] if isinstance(model, LateInteraction) else token_vectors(model, batch)
             # (columns past max_length, which a configured width may add, are padding: cut)
             reps = torch.nn.functional.pad(reps, (0, 0, 0, max_length - reps.shape[1])).to(TOKEN_STORAGE).cpu()
+        elif pooling == "sparse":  # --head sparse: vocabulary-sized vectors, kept as their non-zeros
+            reps = (model(p=batch)["p"] if isinstance(model, Splade) else sparse_vectors(model, batch)).float().cpu()
+            reps = [r.to_sparse() for r in reps]
         elif isinstance(model, BiEncoder):  # a (possibly FSDP2-sharded) BiEncoder: go through its forward
             reps = model(p=batch)["p"].float().cpu()
         else:
@@ -48,7 +52,18 @@ def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
     model.train(was_training)
     if not texts:
         return torch.empty(0, 0)
+    if pooling == "sparse":
+        return stack_sparse(out)
     return torch.stack(out)
+
+
+def stack_sparse(rows):
+    """(N, V) sparse COO tensor of N sparse (V,) vectors, in order: never a dense N x V matrix."""
+    idx = [r.coalesce().indices()[0] for r in rows]
+    vals = [r.coalesce().values() for r in rows]
+    row_of = torch.cat([torch.full((len(i),), n, dtype=torch.long) for n, i in enumerate(idx)])
+    return torch.sparse_coo_tensor(torch.stack([row_of, torch.cat(idx)]), torch.cat(vals),
+                                   (len(rows), rows[0].shape[0]), check_invariants=False).coalesce()
 
 
 @torch.no_grad()
@@ -103,6 +118,8 @@ def encode_shard(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
     padded = own + [texts[-1]] * (per - len(own)) if texts else []
     mine = encode_texts(model, tokenizer, padded, max_length, prefix, batch_size, pooling, normalize, device,
                         progress and rank == 0, desc)
+    if mine.is_sparse:
+        return mine.index_select(0, torch.arange(len(own))), min(rank * per, len(texts))
     return mine[:len(own)], min(rank * per, len(texts))
 
 
@@ -178,6 +195,7 @@ def encode_sharded(model, tokenizer, texts, max_length, prefix="", batch_size=64
                             progress, desc)
     mine, _ = encode_shard(model, tokenizer, texts, max_length, prefix, batch_size, pooling, normalize, device,
                            progress, desc)
+    mine = mine.to_dense() if mine.is_sparse else mine  # (gathered dense: queries, a few at a time)
     per = -(-len(texts) // world)
     dims = torch.zeros(2, dtype=torch.long, device=device)  # a row's shape: (H,) or, token vectors, (W, d + 1)
     if mine.numel():

@@ -26,7 +26,7 @@ from .encode import encode_shard, encode_sharded, score_pairs
 from .export import load_exported_reranker
 from .metrics import rank_docs, retrieval_metrics
 from .models import decoder_dir, default_model_dir, embedding_size, load_encoder, load_tokenizer, prepare_embedder
-from .search import maxsim_topk, sharded_topk
+from .search import maxsim_topk, sharded_topk, sparse_topk
 from .st_format import KIT_DEFAULTS, load_settings, resolve_biencoder_settings
 
 
@@ -69,14 +69,42 @@ def retrieve(model, tokenizer, settings, beir, k=100, batch_size=64, device="cpu
     return retrieve_dims(model, tokenizer, settings, beir, [None], k, batch_size, device, progress)[None]
 
 
-def retrieve_dims(model, tokenizer, settings, beir, dims, k=100, batch_size=64, device="cpu", progress=False):
+def sparse_stats(q_vec, p_own):
+    """--head sparse: the mean active (non-zero) dimensions of the queries and of the documents, and
+    the inverted index's size - a 4-byte id and a 4-byte weight per non-zero - over every rank's shard."""
+    from .dist import world_size
+
+    nnz, rows = float(p_own._nnz()) if p_own.shape[0] else 0.0, float(p_own.shape[0])
+    if world_size() > 1:
+        import torch.distributed as tdist
+
+        both = torch.tensor([nnz, rows], dtype=torch.float64)
+        tdist.all_reduce(both)
+        nnz, rows = both.tolist()
+    return {"active_dims_q": float((q_vec != 0).sum(1).float().mean()), "active_dims_d": nnz / max(rows, 1.0),
+            "index_mb": nnz * 8 / 2 ** 20}
+
+
+def retrieve_dims(model, tokenizer, settings, beir, dims, k=100, batch_size=64, device="cpu", progress=False,
+                  stats=None):
     """retrieve for each embedding size in `dims` (None = the whole embedding; d = its first d
     dimensions, re-normalized when the model normalizes: Matryoshka), the texts embedded once:
-    {d: run}."""
+    {d: run}. A sparse model's active dimensions and index size go into `stats` (a dict) when given."""
     import torch.nn.functional as F
 
     ids, texts, queries, qrels = beir
     qids = [q for q in queries if q in qrels]
+    if settings.get("head") == "sparse":  # vocabulary-sized vectors, the corpus as an inverted index (CSR)
+        p_own, offset = encode_shard(model, tokenizer, texts, settings["passage_max_length"],
+                                     settings["passage_prefix"], batch_size, "sparse", False, device, progress, "corpus")
+        q_vec = encode_sharded(model, tokenizer, [queries[q] for q in qids], settings["query_max_length"],
+                               settings["query_prefix"], batch_size, "sparse", False, device, progress, "queries")
+        q_vec = q_vec.to_dense() if q_vec.is_sparse else q_vec
+        scores, idx = sharded_topk(q_vec, p_own, offset, k, len(texts), device, search=sparse_topk)
+        if stats is not None:
+            stats.update(sparse_stats(q_vec, p_own))
+        run = {q: {ids[j]: s for s, j in zip(scores[i].tolist(), idx[i].tolist())} for i, q in enumerate(qids)}
+        return {d: run for d in dims if d is None}
     if settings.get("head") == "multi-vector":  # token vectors (bf16-stored), scored by exact blocked MaxSim
         p_own, offset = encode_shard(model, tokenizer, texts, settings["passage_max_length"],
                                      settings["passage_prefix"], batch_size, "tokens", True, device, progress, "corpus")
@@ -106,8 +134,11 @@ def beir_metrics(model, tokenizer, settings, beir, k=100, batch_size=64, device=
     embedding, "{name}_dim{d}" for each Matryoshka size in `dims` below it; `progress`: encoding
     progress bars (rank 0)."""
     sizes = [None] + [d for d in dims if d is not None]
-    runs = retrieve_dims(model, tokenizer, settings, beir, sizes, k, batch_size, device, progress)
-    return {name if d is None else f"{name}_dim{d}": retrieval_metrics(run, beir[3]) for d, run in runs.items()}
+    stats = {}
+    runs = retrieve_dims(model, tokenizer, settings, beir, sizes, k, batch_size, device, progress, stats)
+    out = {name if d is None else f"{name}_dim{d}": retrieval_metrics(run, beir[3]) for d, run in runs.items()}
+    out[name].update(stats)  # --head sparse: active dimensions, index size
+    return out
 
 
 def fuse_scores(rr, bi, weight):
@@ -271,9 +302,15 @@ def main(argv=None):
     if any(d > size for d in dims):
         ap.error(f"--truncate-dims {','.join(map(str, dims))}: {model_dir} embeds in {size} dimensions; give sizes up "
                  f"to {size}")
-    runs = retrieve_dims(enc, tok, settings, beir, [None, *dims], args.k, args.batch_size, ctx.device, ctx.is_main)
+    stats = {}
+    runs = retrieve_dims(enc, tok, settings, beir, [None, *dims], args.k, args.batch_size, ctx.device, ctx.is_main,
+                         stats)
     run = runs.pop(None)
     results = {"biencoder": retrieval_metrics(run, beir[3])}
+    if stats and ctx.is_main:  # --head sparse
+        print(f"sparse: {stats['active_dims_q']:.1f} active dimensions a query, {stats['active_dims_d']:.1f} a "
+              f"document; inverted index {stats['index_mb']:.1f} MB (a 4-byte id and weight per non-zero)")
+        results["sparse"] = stats
     results.update({f"biencoder@dim{d}": retrieval_metrics(r, beir[3]) for d, r in runs.items()})
     if args.reranker:
         rr, rr_tok, rr_settings = load_exported_reranker(args.reranker, torch.float32, args.trust_remote_code)
@@ -295,7 +332,8 @@ def main(argv=None):
         keys = list(results["biencoder"])
         print(f"{'stage':28}" + "".join(f"{k:>11}" for k in keys))
         for stage, m in results.items():
-            print(f"{stage:28}" + "".join(f"{m[k]:11.4f}" for k in keys))
+            if stage != "sparse":
+                print(f"{stage:28}" + "".join(f"{m[k]:11.4f}" for k in keys))
         if args.output:
             with open(args.output, "w") as f:
                 json.dump({"model": model_dir, "reranker": args.reranker, "rerank_weight": args.rerank_weight,

@@ -36,7 +36,7 @@ from .collate import PAIR, TemplateLayout, pair_layout, pair_post_processor
 from .dist import barrier, rank, unwrap
 from .flags import writing
 from .lora import merged_state_dict, widest_dtype, write_adapter
-from .st_format import SETTINGS_FILE, load_settings, write_multi_vector_files, write_st_files
+from .st_format import SETTINGS_FILE, load_settings, write_multi_vector_files, write_sparse_files, write_st_files
 
 IDENTITY = "torch.nn.modules.linear.Identity"  # sentence-transformers' activation_fn path for raw logits
 PROBES = [("how do i list files", "ls lists directory contents " * 200), ("q", "p"),
@@ -83,7 +83,12 @@ def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None):
         if lora:  # config.json names the first param's dtype; the merged weights are all in the widest
             _edit_json(os.path.join(stage, "config.json"), lambda c: c.update(dtype=dtype))
         tokenizer.save_pretrained(stage)
-        if settings.get("kind") == "biencoder" and multi:
+        if settings.get("kind") == "biencoder" and settings.get("head") == "sparse":
+            from .models import is_decoder_only
+
+            write_sparse_files(stage, settings, is_decoder_only(unwrap(model).config))
+            settings = {**settings, "sentence_transformers": {"files": True, "warnings": []}}
+        elif settings.get("kind") == "biencoder" and multi:
             write_multi_vector_files(stage, settings, unwrap(model).config.hidden_size, dense.linear.out_features)
             save_file({k: v.contiguous() for k, v in dense_weights.items()},
                       os.path.join(stage, "1_Dense", "model.safetensors"))

@@ -201,19 +201,42 @@ def matryoshka_plan(dims, weights, hidden_size):
     return dims, weights
 
 
+class Flops:
+    """--head sparse's FLOPS regularizer (Paria et al. 2020; SPLADE, Formal et al. 2021): the sum over the
+    vocabulary of the squared mean weight of each dimension over the batch, for queries and documents
+    apart, weighted by `weights` (query, document) that rise quadratically from 0 over the first
+    `warmup` optimizer steps (sentence-transformers' SpladeRegularizerWeightSchedulerCallback; `state`:
+    the loop state, read at each call). `count_scale`: 1 / (ranks x micro-batches), so the logged
+    totals are the step's means."""
+
+    def __init__(self, weights, warmup, state, count_scale=1.0):
+        self.weights, self.warmup, self.state, self.count_scale = weights, warmup, state, count_scale
+
+    def __call__(self, q, p):
+        """(weighted regularizer, {name: 0-d tensor}) of the batch's (gathered) vectors."""
+        ramp = min(1.0, self.state.step / self.warmup) ** 2 if self.warmup else 1.0
+        fq, fd = (q.float().mean(0) ** 2).sum(), (p.float().mean(0) ** 2).sum()
+        counts = {"flops_q": fq.detach(), "flops_d": fd.detach(), "flops_weight_ramp": torch.tensor(ramp),
+                  "active_dims_q": (q.detach() != 0).sum(1).float().mean(),
+                  "active_dims_d": (p.detach() != 0).sum(1).float().mean()}
+        value = ramp * (self.weights[0] * fq + self.weights[1] * fd)
+        return value, {k: v.to(q.device) * self.count_scale for k, v in counts.items()}
+
+
 # ----- the loss_fn of a training step: (model outputs, **targets) -> (loss, top-1 accuracy, counts) ---
 
 def biencoder_loss(out, *, n_passages, temperature=0.05, in_batch=True, gather=False, label_offset=0,
                    contrastive=contrastive_loss, mask_duplicates=True, distill_weight=0.0, teacher_temperature=1.0,
-                   teacher=None, p_keys=None):
+                   teacher=None, p_keys=None, flops=None):
     """The bi-encoder's step loss: `contrastive` (InfoNCE, or matryoshka(contrastive_loss, ...)) of
     this rank's queries against its passages - every rank's with `gather` (then pass
     `label_offset` = rank * B * n_passages) - each query's own positive left out of its negatives
     wherever its text appears again (`mask_duplicates`, from the batch's `p_keys`); plus
     distill_weight x KL(teacher || model) over each query's own group (in-batch negatives have no
-    teacher score), the teacher at `teacher_temperature`, the model at `temperature`.
+    teacher score), the teacher at `teacher_temperature`, the model at `temperature`; plus `flops`
+    (--head sparse: a Flops regularizer) of every rank's queries and passages (gathered with `gather`).
     Returns (loss, each query's top-1 accuracy (ties count against the positive),
-    {"duplicates_masked": candidates left out})."""
+    {"duplicates_masked": candidates left out, and the regularizer's counts})."""
     q, p = out["q"], out["p"]
     p_all = dist.gather_with_grad(p) if gather else p  # (W*B*n, H); grads flow back to each rank
     mask = None
@@ -224,13 +247,17 @@ def biencoder_loss(out, *, n_passages, temperature=0.05, in_batch=True, gather=F
     if teacher is not None and distill_weight > 0:
         own = contrastive_scores(q, p, n_passages, in_batch=False)  # (B, n)
         loss = loss + distill_weight * distill_kl(own, teacher, temperature, teacher_temperature)
+    extra = {}
+    if flops is not None:
+        reg, extra = flops(dist.gather_with_grad(q) if gather else q, p_all)
+        loss = loss + reg
     with torch.no_grad():
         scores = contrastive_scores(q, p_all, n_passages, in_batch)
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
         target = label_offset + torch.arange(len(q), device=scores.device) * n_passages if in_batch else 0
         masked = mask.sum() if mask is not None else torch.zeros((), device=scores.device)
-        return loss, top1(scores, target), {"duplicates_masked": masked}
+        return loss, top1(scores, target), {"duplicates_masked": masked, **extra}
 
 
 def reranker_loss(out, *, n_passages, loss=listwise_loss, distill_weight=0.0, teacher_temperature=1.0, teacher=None):

@@ -203,6 +203,115 @@ class LateInteraction(torch.nn.Module):
         return {name: self.embed(b, self.widths.get(name)) for name, b in batches.items()}
 
 
+SPARSE_BLOCK = 1 << 24  # elements of one chunk of vocabulary logits (64 MiB in fp32)
+
+
+def load_sparse(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False,
+                attention_dropout=None, fast_dropout=False):
+    """--head sparse: the model with its vocabulary head - AutoModelForMaskedLM for an encoder,
+    AutoModelForCausalLM for a decoder (as load_auto). An encoder dir without a trained MLM head (the
+    bundled all-MiniLM-L6-v2) gets a fresh transform over its tied word embeddings, said in one line."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    cls = AutoModelForCausalLM if decoder_dir(path) else AutoModelForMaskedLM
+    with _quiet_loading():
+        model = load_auto(cls, path, dtype, trust_remote_code, attn_implementation, meta, attention_dropout,
+                          fast_dropout)
+    fresh = fresh_vocab_head(model, path)
+    if fresh and os.environ.get("RANK", "0") == "0":
+        print(f"--head sparse: {path} has no trained vocabulary head: {', '.join(fresh)} start fresh (a transform "
+              "over the tied word embeddings), trained with the model", flush=True)
+    return model
+
+
+def embedding_loader(head):
+    """The loader of a bi-encoder's model: load_sparse (the model with its vocabulary head) for --head
+    sparse, else load_encoder."""
+    return load_sparse if head == "sparse" else load_encoder
+
+
+class _quiet_loading:
+    """transformers' load report (MISSING keys of a fresh head) is said by load_sparse in one line instead."""
+
+    def __enter__(self):
+        from transformers.utils import logging
+
+        self.level = logging.get_verbosity()
+        logging.set_verbosity_error()
+
+    def __exit__(self, *exc):
+        from transformers.utils import logging
+
+        logging.set_verbosity(self.level)
+
+
+def fresh_vocab_head(model, path):
+    """The vocabulary head's parameter names that `path`'s weight files do not hold (tied ones aside)."""
+    import glob
+
+    from safetensors import safe_open
+
+    stored = set()
+    for f in glob.glob(os.path.join(path, "*.safetensors")):
+        with safe_open(f, "pt") as fh:
+            stored.update(fh.keys())
+    if not stored:  # (.bin weights: not read here)
+        return []
+    tied = {id(p) for p in model.get_input_embeddings().parameters()}
+    names = [n for n, p in vocab_head(model).named_parameters() if id(p) not in tied]
+    prefix = next(k for k, m in model.named_modules() if m is vocab_head(model))
+    return [f"{prefix}.{n}" for n in names if f"{prefix}.{n}" not in stored]
+
+
+def vocab_head(model):
+    """The module that maps hidden states to vocabulary logits: BERT's `cls`, else `lm_head`."""
+    head = getattr(model, "cls", None) or getattr(model, "lm_head", None)
+    if head is None:
+        raise SystemExit(f"--head sparse: {type(model).__name__} has no vocabulary head the kit knows (cls or lm_head)")
+    return head
+
+
+def _splade_chunk(head, hidden, mask):
+    logits = head(hidden).float()  # (B, chunk, V)
+    return (torch.log1p(torch.relu(logits)) * mask.unsqueeze(-1).to(logits.dtype)).amax(1)
+
+
+def sparse_vectors(model, batch, budget=SPARSE_BLOCK):
+    """--head sparse (SPLADE): log(1 + relu(vocabulary logits)) of each real token, max over the text's
+    tokens: (B, V) fp32, as sentence-transformers' SpladePooling (max, relu). The logits are made in
+    length chunks of at most `budget` elements, each chunk recomputed in the backward under autograd:
+    (B, L, V) never exists at once."""
+    from torch.utils.checkpoint import checkpoint
+
+    extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
+    hidden = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              **extra).last_hidden_state
+    head, mask = vocab_head(model), batch["attention_mask"]
+    b, length = mask.shape
+    step = max(1, budget // max(1, b * model.get_output_embeddings().weight.shape[0]))
+    grad = torch.is_grad_enabled()
+    out = None
+    for s in range(0, length, step):
+        h, m = hidden[:, s:s + step], mask[:, s:s + step]
+        w = checkpoint(_splade_chunk, head, h, m, use_reentrant=False) if grad else _splade_chunk(head, h, m)
+        out = w if out is None else torch.maximum(out, w)
+    return out
+
+
+class Splade(torch.nn.Module):
+    """--head sparse's model: `model(q=q_batch, p=p_batch)` -> {"q": (B, V), "p": (B * n, V)} vocabulary-
+    sized vectors (sparse_vectors); a batch is a tokenized dict or a chunking.Chunked. Save `.encoder`
+    (the model with its vocabulary head)."""
+
+    def __init__(self, encoder):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, **batches):
+        return {name: run_chunked(lambda b: sparse_vectors(self.encoder, b), x) if isinstance(x, Chunked)
+                else sparse_vectors(self.encoder, x) for name, x in batches.items()}
+
+
 def embedding_size(model):
     """The size of the embeddings `encode` gives: the Dense module's output, else the hidden size."""
     dense = getattr(model, "st_dense", None)
@@ -265,8 +374,10 @@ def load_encoder(path, dtype=torch.float32, trust_remote_code=False, attn_implem
     if getattr(model, "pooler", None) is not None:
         # BERT-style pooler head: our pooling replaces it, and params that get no grad would stall DDP
         model.pooler.requires_grad_(False)
-    from .st_format import read_multi_vector
+    from .st_format import read_multi_vector, read_sparse
 
+    if read_sparse(path):  # a SparseEncoder dir: the model with its vocabulary head
+        return load_sparse(path, dtype, trust_remote_code, attn_implementation, meta, attention_dropout, fast_dropout)
     if read_multi_vector(path) is not None:  # a MultiVectorEncoder dir: its token projection
         return attach_multi_vector(model, 0, meta=meta, path=path)
     return attach_st_dense(model, path, dtype, meta)  # a sentence-transformers Dense after the pooling

@@ -55,9 +55,11 @@ def read_st_settings(model_dir):
     out = {"normalize": False}
     if read_multi_vector(model_dir) is not None:  # a MultiVectorEncoder: token vectors, per-task lengths
         out.update(head="multi-vector", normalize=True)
+    elif read_sparse(model_dir):  # a SparseEncoder (SPLADE): vocabulary-sized vectors, dot product
+        out.update(head="sparse")
     for m in _json(modules_path):
         kind = m.get("type", "").rsplit(".", 1)[-1]
-        if kind == "MultiVectorMask":
+        if kind in ("MultiVectorMask", "SpladePooling"):
             continue
         if kind == "Pooling":
             path = os.path.join(model_dir, m.get("path", ""), "config.json")
@@ -147,6 +149,57 @@ def read_multi_vector(model_dir):
                          "sentence-transformers")
     return {"path": os.path.join(model_dir, modules[1].get("path", "")), "in_features": dense["in_features"],
             "out_features": dense["out_features"]}
+
+
+def read_sparse(model_dir):
+    """Is `model_dir` a sentence-transformers SparseEncoder of SPLADE's layout (a fill-mask or causal-LM
+    Transformer, then SpladePooling with max pooling of relu: log(1 + relu) of the vocabulary logits)?
+    Another sparse layout (inference-free Router / SparseStaticEmbedding, sum pooling, CSR) is one
+    sentence."""
+    modules_path = os.path.join(model_dir, "modules.json")
+    if not os.path.isfile(modules_path):
+        return False
+    modules = _json(modules_path)
+    kinds = tuple(m.get("type", "").rsplit(".", 1)[-1] for m in modules)
+    st_config = os.path.join(model_dir, "config_sentence_transformers.json")
+    sparse_model = os.path.isfile(st_config) and _json(st_config).get("model_type") == "SparseEncoder"
+    if "SpladePooling" not in kinds and not sparse_model:
+        return False
+    pooling = _json(os.path.join(model_dir, modules[-1].get("path", ""), "config.json")) if kinds[-1:] == (
+        "SpladePooling",) else {}
+    if kinds != ("Transformer", "SpladePooling"):
+        problem = f"modules {', '.join(kinds)} (the kit carries Transformer, SpladePooling)"
+    elif pooling.get("pooling_strategy", "max") != "max" or pooling.get("activation_function", "relu") != "relu":
+        problem = (f"SpladePooling {pooling.get('pooling_strategy')} / {pooling.get('activation_function')} (the kit "
+                   "trains max / relu)")
+    else:
+        return True
+    raise SystemExit(f"{modules_path}: {problem}; the kit does not reproduce it: fine-tune it with sentence-transformers")
+
+
+def write_sparse_files(out_dir, settings, decoder=False):
+    """Write the sentence-transformers SparseEncoder files of a --head sparse export (SPLADE): the
+    Transformer reading the vocabulary logits of the saved *ForMaskedLM (or causal LM) model, with
+    per-task lengths, then 1_SpladePooling (max of log(1 + relu)); dot-product similarity, the
+    prefixes as prompts."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_SpladePooling",
+                "type": "sentence_transformers.sparse_encoder.modules.splade_pooling.SpladePooling"}]
+    files = {"modules.json": modules,
+             "sentence_bert_config.json": {
+                 "transformer_task": "text-generation" if decoder else "fill-mask",
+                 "modality_config": {"text": {"method": "forward", "method_output_name": "logits"}},
+                 "module_output_name": "token_embeddings", "max_seq_length": settings["passage_max_length"],
+                 "query_length": settings["query_max_length"], "document_length": settings["passage_max_length"]},
+             os.path.join("1_SpladePooling", "config.json"): {"pooling_strategy": "max", "activation_function": "relu",
+                                                             "embedding_dimension": None},
+             "config_sentence_transformers.json": {
+                 "model_type": "SparseEncoder", "similarity_fn_name": "dot", "default_prompt_name": None,
+                 "prompts": {"query": settings["query_prefix"], "document": settings["passage_prefix"]}}}
+    for name, obj in files.items():
+        os.makedirs(os.path.dirname(os.path.join(out_dir, name)), exist_ok=True)
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(obj, f, indent=2)
 
 
 def write_multi_vector_files(out_dir, settings, hidden_size, dim):

@@ -25,9 +25,9 @@ from retrieval_kit import ckpt, data, dist, lora, loop, optim, precision  # noqa
 from retrieval_kit.records import read_records  # noqa: E402
 from retrieval_kit.chunking import chunk_batch  # noqa: E402
 from retrieval_kit.collate import collate_biencoder, collate_rerank  # noqa: E402
-from retrieval_kit.losses import contrastive_loss, listwise_loss  # noqa: E402
-from retrieval_kit.models import (BiEncoder, CrossEncoder, LateInteraction, attach_multi_vector, load_encoder,  # noqa: E402
-                                  load_reranker)
+from retrieval_kit.losses import Flops, contrastive_loss, listwise_loss  # noqa: E402
+from retrieval_kit.models import (BiEncoder, CrossEncoder, LateInteraction, Splade, attach_multi_vector,  # noqa: E402
+                                  load_encoder, load_reranker, load_sparse)
 
 B, N, TEMP = 4, 3, 0.05  # queries per rank, passages per group
 # Adam's first steps move each weight by about lr * sign(grad): a grad that is ~0 in both runs can
@@ -66,7 +66,10 @@ def bi_step(model, opt, tok, queries, groups, gather, label_offset, max_norm, us
 
     def loss_fn(out):
         p_all = dist.gather_with_grad(out["p"]) if gather else out["p"]
-        return contrastive_loss(out["q"], p_all, N, TEMP, True, label_offset(per) if gather else 0), None
+        loss = contrastive_loss(out["q"], p_all, N, TEMP, True, label_offset(per) if gather else 0)
+        if isinstance(dist.unwrap(model), Splade):  # --head sparse: FLOPS of every rank's queries and passages
+            loss = loss + FLOPS(dist.gather_with_grad(out["q"]) if gather else out["q"], p_all)[0]
+        return loss, None
     for m in range(accum):
         qb, pb = collate_biencoder(tok, queries[m * per:(m + 1) * per], groups[m * per:(m + 1) * per], 16, 32)
         loss, _ = fwd_bwd(model, {"q": chunk_batch(qb, grad_cache), "p": chunk_batch(pb, grad_cache)}, loss_fn, accum,
@@ -81,8 +84,14 @@ def bi_step(model, opt, tok, queries, groups, gather, label_offset, max_norm, us
 
 
 def bi_model(enc):
-    """BiEncoder, or LateInteraction (token vectors) for an encoder with a multi-vector projection."""
+    """BiEncoder; LateInteraction (token vectors) for an encoder with a multi-vector projection; Splade
+    (vocabulary-sized vectors) for a model with an MLM head."""
+    if hasattr(enc, "cls"):
+        return Splade(enc)
     return LateInteraction(enc, WIDTHS) if hasattr(enc, "multi_vector") else BiEncoder(enc)
+
+
+FLOPS = Flops([1e-3, 5e-4], 0, None)  # --head sparse's regularizer at full weight (no warm-up)
 
 
 WIDTHS = {"q": 16, "p": 32}  # the multi-vector widths: collate_biencoder's max lengths below
@@ -103,6 +112,8 @@ def reference_bi(enc0, tok, steps, max_norm, accum=1, world=2):
             qb, pb = collate_biencoder(tok, [queries[i] for i in idx], [groups[i] for i in idx], 16, 32)
             out = model(q=qb, p=pb)
             loss = contrastive_loss(out["q"], out["p"], N, TEMP, True)
+            if isinstance(model, Splade):
+                loss = loss + FLOPS(out["q"], out["p"])[0]
             (loss / accum).backward()
             total += loss.item() / accum
         if not grads:
@@ -169,6 +180,7 @@ def main():
             "grad_rel_diff": max((grads[k] - r_grads[k]).abs().max().item() for k in r_grads) / scale,
             "param_diff": max_diff(ckpt.full_state_dict(enc, all_ranks=True), ckpt.full_state_dict(r_enc, all_ranks=True)),
             "loss_diff": max(abs(a - b) for a, b in zip(losses, r_losses)),
+            "loss_scale": max(abs(b) for b in r_losses),
             "norm_rel_diff": max(abs(a - b) / b for a, b in zip(norms, r_norms)),
             "rank_spread": rank_spread(enc), "param_dtypes": sorted({str(p.dtype) for p in enc.parameters()}),
             **(extra or {})}
@@ -222,6 +234,13 @@ def main():
     compare("multi_vector_fsdp2_vs_single", run_bi(ctx, mv0, tok, steps, "fsdp2"), ref_mv)
     compare("multi_vector_ddp_grad_cache", run_bi(ctx, mv0, tok, steps, "ddp", grad_cache=24), ref_mv)
     compare("multi_vector_control_no_gather", run_bi(ctx, mv0, tok, steps, "ddp", gather=False), ref_mv)
+    # --head sparse: vocabulary-sized vectors gathered with their gradients, the FLOPS term over the global batch
+    torch.manual_seed(0)
+    sp0 = load_sparse(model_dir).eval()
+    ref_sp = reference_bi(sp0, tok, steps, 1.0)
+    compare("sparse_ddp_vs_single", run_bi(ctx, sp0, tok, steps, "ddp"), ref_sp)
+    compare("sparse_fsdp2_vs_single", run_bi(ctx, sp0, tok, steps, "fsdp2"), ref_sp)
+    compare("sparse_ddp_grad_cache", run_bi(ctx, sp0, tok, steps, "ddp", grad_cache=24), ref_sp)
 
     # ----- LoRA (issue 26): adapters on the frozen base, under DDP, FSDP2, GradCache + accumulation and
     # activation checkpointing, vs one process; lora_B drawn non-zero so every adapter gets a gradient

