@@ -86,8 +86,14 @@ def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None):
         if settings.get("kind") == "biencoder" and settings.get("head") == "sparse":
             from .models import is_decoder_only
 
-            write_sparse_files(stage, settings, is_decoder_only(unwrap(model).config))
-            settings = {**settings, "sentence_transformers": {"files": True, "warnings": []}}
+            if is_decoder_only(unwrap(model).config):  # SparseEncoder 6.3 reads a causal LM otherwise (checked:
+                why = ("sentence-transformers' SparseEncoder reads a causal LM's logits otherwise (it scored a "  # zeros)
+                       "decoder's SPLADE vectors wrong when tried); the kit's tools load this dir")
+                print(f"warning: {out_dir}: no SparseEncoder files for a decoder: {why}", flush=True)
+                settings = {**settings, "sentence_transformers": {"files": False, "warnings": [why]}}
+            else:
+                write_sparse_files(stage, settings)
+                settings = {**settings, "sentence_transformers": {"files": True, "warnings": []}}
         elif settings.get("kind") == "biencoder" and multi:
             write_multi_vector_files(stage, settings, unwrap(model).config.hidden_size, dense.linear.out_features)
             save_file({k: v.contiguous() for k, v in dense_weights.items()},

@@ -374,9 +374,9 @@ def load_encoder(path, dtype=torch.float32, trust_remote_code=False, attn_implem
     if getattr(model, "pooler", None) is not None:
         # BERT-style pooler head: our pooling replaces it, and params that get no grad would stall DDP
         model.pooler.requires_grad_(False)
-    from .st_format import read_multi_vector, read_sparse
+    from .st_format import load_settings, read_multi_vector, read_sparse
 
-    if read_sparse(path):  # a SparseEncoder dir: the model with its vocabulary head
+    if load_settings(path).get("head") == "sparse" or read_sparse(path):  # the model with its vocabulary head
         return load_sparse(path, dtype, trust_remote_code, attn_implementation, meta, attention_dropout, fast_dropout)
     if read_multi_vector(path) is not None:  # a MultiVectorEncoder dir: its token projection
         return attach_multi_vector(model, 0, meta=meta, path=path)

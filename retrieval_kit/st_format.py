@@ -177,9 +177,9 @@ def read_sparse(model_dir):
     raise SystemExit(f"{modules_path}: {problem}; the kit does not reproduce it: fine-tune it with sentence-transformers")
 
 
-def write_sparse_files(out_dir, settings, decoder=False):
+def write_sparse_files(out_dir, settings):
     """Write the sentence-transformers SparseEncoder files of a --head sparse export (SPLADE): the
-    Transformer reading the vocabulary logits of the saved *ForMaskedLM (or causal LM) model, with
+    Transformer reading the vocabulary logits of the saved *ForMaskedLM model, with
     per-task lengths, then 1_SpladePooling (max of log(1 + relu)); dot-product similarity, the
     prefixes as prompts."""
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
@@ -187,7 +187,7 @@ def write_sparse_files(out_dir, settings, decoder=False):
                 "type": "sentence_transformers.sparse_encoder.modules.splade_pooling.SpladePooling"}]
     files = {"modules.json": modules,
              "sentence_bert_config.json": {
-                 "transformer_task": "text-generation" if decoder else "fill-mask",
+                 "transformer_task": "fill-mask",
                  "modality_config": {"text": {"method": "forward", "method_output_name": "logits"}},
                  "module_output_name": "token_embeddings", "max_seq_length": settings["passage_max_length"],
                  "query_length": settings["query_max_length"], "document_length": settings["passage_max_length"]},

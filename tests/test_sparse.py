@@ -141,3 +141,26 @@ def test_evaluate_scores_a_sparse_export_as_a_dense_dot_product_would(tiny_model
         assert abs(got["biencoder"][k] - want[k]) < 1e-6, (k, got["biencoder"][k], want[k])
     assert abs(got["sparse"]["active_dims_d"] - float((d != 0).sum(1).float().mean())) < 1e-3
     assert abs(got["sparse"]["index_mb"] - float((d != 0).sum()) * 8 / 2 ** 20) < 1e-6
+
+
+def test_a_decoder_sparse_export_says_sentence_transformers_would_read_it_otherwise(tiny_decoder_dir,
+                                                                                    small_train_file, tmp_path):
+    """A causal LM's SPLADE export: no SparseEncoder files (6.3 reads a causal LM's logits otherwise), said at
+    export; the kit's own tools load it with its LM head and give the vectors training gave."""
+    from retrieval_kit.encode import encode_texts
+    from retrieval_kit.evaluate import biencoder_settings
+    from retrieval_kit.models import load_encoder, load_tokenizer, prepare_embedder
+
+    out = run_script("train_biencoder.py", ["--model", tiny_decoder_dir, "--head", "sparse", "--train-file",
+                                            small_train_file, "--val-file", "", "--batch-size", 2, "--max-steps", 1,
+                                            "--query-max-length", 16, "--passage-max-length", 32,
+                                            "--output-dir", tmp_path / "run"])
+    final = tmp_path / "run" / "final"
+    assert "no SparseEncoder files for a decoder" in out.stdout + out.stderr
+    assert not (final / "modules.json").exists()
+    s = biencoder_settings(str(final), {})
+    tok, enc = load_tokenizer(str(final)), load_encoder(str(final)).eval()
+    prepare_embedder(tok, enc, s)
+    assert hasattr(enc, "lm_head") and s["head"] == "sparse"
+    vec = encode_texts(enc, tok, ["how do i list files"], 16, s["query_prefix"], pooling="sparse")
+    assert vec.shape[1] == enc.get_output_embeddings().weight.shape[0] and vec._nnz() > 0
