@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .losses import maxsim_pairs
-from .search import exact_topk, maxsim_topk, sharded_topk
+from .search import exact_topk, maxsim_topk, sharded_topk, sparse_topk
 from .textstore import DigestIndex, digest
 
 
@@ -95,9 +95,16 @@ def mine_sharded(q_own, q_ids, p_shard, p_ids, n_total, positives, k, skip_top=0
         tdist.all_reduce(shape, op=tdist.ReduceOp.MAX)
     most, row_shape = int(shape[0]), [int(x) for x in shape[1:] if x]
     tokens = len(row_shape) == 2  # --head multi-vector: (queries, width, dim + 1) token vectors, MaxSim
+    sparse = p_shard.is_sparse  # --head sparse: the passages as their non-zeros; a round's queries made dense
+    flag = torch.tensor([float(sparse)], device=device)
+    if world > 1:
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+    sparse = bool(flag.item())
     out = []
     for start in range(0, most, block):
-        q, ids = q_own[start:start + block], q_ids[start:start + block]
+        rows_here = torch.arange(start, min(start + block, q_own.shape[0] if q_own.numel() else 0))
+        q = q_own.index_select(0, rows_here).to_dense() if q_own.is_sparse else q_own[start:start + block]
+        ids = q_ids[start:start + block]
         sizes = [q.shape[0]]
         if world > 1:
             padded = torch.zeros(block, *row_shape, device=device)
@@ -118,15 +125,15 @@ def mine_sharded(q_own, q_ids, p_shard, p_ids, n_total, positives, k, skip_top=0
         here = cols >= 0  # positives held by this rank
         best = torch.full((len(ids),), float("-inf"))
         if here.any():
-            pair = maxsim_pairs(q[rows[here]], p_shard[cols[here]]) if tokens else \
-                (q[rows[here]] * p_shard[cols[here]]).sum(-1)
+            own = p_shard.index_select(0, cols[here]).to_dense() if p_shard.is_sparse else p_shard[cols[here]]
+            pair = maxsim_pairs(q[rows[here]], own) if tokens else (q[rows[here]] * own).sum(-1)
             best.scatter_reduce_(0, rows[here], pair, reduce="amax")
         if world > 1:
             best = best.to(device)
             tdist.all_reduce(best, op=tdist.ReduceOp.MAX)
             best = best.cpu()
         top = by_score_then_id(*sharded_topk(q, p_shard, p_ids, depth, n_total, device,
-                                             search=maxsim_topk if tokens else exact_topk))
+                                             search=maxsim_topk if tokens else sparse_topk if sparse else exact_topk))
         a = sum(sizes[:me])
         b = a + sizes[me]
         negs = filter_candidates(top[0][a:b], top[1][a:b], [positives[i] for i in ids[a:b].tolist()], best[a:b], k,
@@ -304,7 +311,7 @@ def main(argv=None):
     if ctx.is_main:
         check_parts(parts, manifest)
     dist.barrier()
-    pooling = "tokens" if s.get("head") == "multi-vector" else s["pooling"]  # token vectors: MaxSim search
+    pooling = {"multi-vector": "tokens", "sparse": "sparse"}.get(s.get("head"), s["pooling"])  # MaxSim / sparse search
     with flags.writing(args.out, then=f"the blocks encoded so far are kept in {parts}: free space, then run the "
                                       "same command again"):
         p_shard, p_ids = encode_blocks(enc, tok, texts, s["passage_max_length"], s["passage_prefix"], args.batch_size,

@@ -164,3 +164,35 @@ def test_a_decoder_sparse_export_says_sentence_transformers_would_read_it_otherw
     assert hasattr(enc, "lm_head") and s["head"] == "sparse"
     vec = encode_texts(enc, tok, ["how do i list files"], 16, s["query_prefix"], pooling="sparse")
     assert vec.shape[1] == enc.get_output_embeddings().weight.shape[0] and vec._nnz() > 0
+
+
+@pytest.mark.slow
+def test_mine_with_a_sparse_export_on_two_ranks_takes_the_dot_product_top(tiny_model_dir, small_train_file, small_beir,
+                                                                          tmp_path):
+    """mine over sparse vectors, corpus and queries split over 2 ranks: each query's negatives are the
+    passages a dense dot product ranks first, its positives left out."""
+    from retrieval_kit.encode import encode_texts
+    from retrieval_kit.evaluate import biencoder_settings
+    from retrieval_kit.models import load_encoder, load_tokenizer, prepare_embedder
+
+    final = run_sparse(tiny_model_dir, small_train_file, tmp_path / "run")
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(open(os.path.join(ROOT, "data", "val.jsonl")).readlines()[:5]))
+    out = tmp_path / "mined.jsonl"
+    run_module(["-m", "retrieval_kit.mine", "--input", src, "--candidates", os.path.join(small_beir, "corpus.jsonl"),
+                "--out", out, "--model", final, "--k", 4, "--max-score-ratio", 0], nproc=2)
+    rows = [json.loads(line) for line in open(out)]
+    records = [json.loads(line) for line in open(src)]
+    corpus = [json.loads(line)["text"] for line in open(os.path.join(small_beir, "corpus.jsonl"))]
+    pool = list(dict.fromkeys(corpus + [d["text"] for rec in records for d in rec["pos_doc"]]))
+    s = biencoder_settings(final, {})
+    tok, enc = load_tokenizer(final), load_encoder(final).eval()
+    prepare_embedder(tok, enc, s)
+    d = encode_texts(enc, tok, pool, 48, pooling="sparse").to_dense()
+    assert len(rows) == 5
+    for row in rows:
+        pos = [x["text"] if isinstance(x, dict) else x for x in row["pos_doc"]]
+        q = encode_texts(enc, tok, [row["query"]], 16, pooling="sparse").to_dense()
+        scores = (q @ d.T)[0]
+        want = [pool[j] for j in scores.argsort(descending=True).tolist() if pool[j] not in pos][:4]
+        assert row["neg_doc"] == want, (row["neg_doc"], want)
