@@ -102,8 +102,10 @@ def mine_sharded(q_own, q_ids, p_shard, p_ids, n_total, positives, k, skip_top=0
     sparse = bool(flag.item())
     out = []
     for start in range(0, most, block):
-        rows_here = torch.arange(start, min(start + block, q_own.shape[0] if q_own.numel() else 0))
-        q = q_own.index_select(0, rows_here).to_dense() if q_own.is_sparse else q_own[start:start + block]
+        if q_own.is_sparse:  # (this rank's rows of the round; a rank may have fewer queries than `start`)
+            q = q_own.index_select(0, torch.arange(start, max(start, min(start + block, q_own.shape[0])))).to_dense()
+        else:
+            q = q_own[start:start + block]
         ids = q_ids[start:start + block]
         sizes = [q.shape[0]]
         if world > 1:
