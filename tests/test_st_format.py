@@ -99,7 +99,8 @@ def test_evaluation_reads_the_same_settings(st_dir):
                            "passage_max_length"))
     assert biencoder_settings(st_dir, flags) == {"pooling": "cls", "normalize": True, "query_prefix": "query: ",
                                                  "passage_prefix": "passage: ", "query_max_length": 40,
-                                                 "passage_max_length": 40, "include_prompt": True}
+                                                 "passage_max_length": 40, "include_prompt": True,
+                                                 "head": "single-vector"}
     assert biencoder_settings(st_dir, {**flags, "pooling": "avg"})["pooling"] == "avg"
 
 
