@@ -109,6 +109,30 @@ def st_run(model_dir, args, work, n_steps):
                     bf16=args.st_compute_dtype == "bf16")
 
 
+def st_multi_vector_run(model_dir, args, work, n_steps):
+    """--multi-vector: sentence-transformers' MultiVectorEncoder (its default modules: a fresh bias-free
+    128-dim token projection, MaxSim) trained by MultiVectorEncoderTrainer with its
+    MultiVectorMultipleNegativesRankingLoss at its default scale 1 (the kit's --head multi-vector temperature) on
+    the same triplets; returns the step times."""
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.multi_vector_encoder.losses import MultiVectorMultipleNegativesRankingLoss
+    from sentence_transformers.multi_vector_encoder.trainer import MultiVectorEncoderTrainer
+    from sentence_transformers.multi_vector_encoder.training_args import MultiVectorEncoderTrainingArguments
+
+    rows = {"anchor": [], "positive": [], "negative": []}
+    for queries, groups in work[:n_steps]:
+        for q, (pos, neg) in zip(queries, groups):
+            rows["anchor"].append(q)
+            rows["positive"].append(pos)
+            rows["negative"].append(neg)
+    model = MultiVectorEncoder(model_dir, device="cpu")
+    model.max_seq_length = args.passage_max_length
+    set_st_attention_dropout(model, args.attention_dropout)
+    return st_train(MultiVectorEncoderTrainer, MultiVectorEncoderTrainingArguments, model, rows,
+                    MultiVectorMultipleNegativesRankingLoss(model, scale=1.0), args.batch_size, n_steps, 1e-5,
+                    bf16=args.st_compute_dtype == "bf16")
+
+
 def set_st_attention_dropout(st_model, p):
     """The kit's --attention-dropout on a sentence-transformers model's transformer (None: leave it)."""
     from transformers import PreTrainedModel
@@ -213,6 +237,9 @@ def main():
     ap.add_argument("--steps", type=int, default=6, help="timed steps per block")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each block")
     ap.add_argument("--blocks", type=int, default=2, help="blocks per side, alternating kit and st (default 2)")
+    ap.add_argument("--multi-vector", action="store_true",
+                    help="both sides multi-vector (late interaction, MaxSim): the kit's --head multi-vector step "
+                         "against sentence-transformers' MultiVectorEncoderTrainer")
     add_kit_args(ap)
     args = ap.parse_args()
     args.n_passages, args.grad_cache, args.activation_checkpointing = 2, False, False
@@ -235,8 +262,9 @@ def main():
             tokens.append([int(x) for k in ("q", "p") for x in inputs[k].batch["attention_mask"].sum(1)])
         return times, tokens
 
-    compare(args, kit_block, lambda n: st_run(model_dir, args, work, n), AutoConfig.from_pretrained(model_dir),
-            f"model {model_dir}\n{args.batch_size} queries x (1 positive + 1 hard negative), max lengths "
+    peer = st_multi_vector_run if args.multi_vector else st_run
+    compare(args, kit_block, lambda n: peer(model_dir, args, work, n), AutoConfig.from_pretrained(model_dir),
+            f"model {model_dir}{', multi-vector (MaxSim, 128-dim tokens) on both sides' if args.multi_vector else ''}\n{args.batch_size} queries x (1 positive + 1 hard negative), max lengths "
             f"{args.query_max_length}/{args.passage_max_length}, {args.train_file}, {args.blocks * args.steps} timed steps per "
             f"side, threads {torch.get_num_threads()}, kit --chunk-tokens {args.chunk_tokens}, attention dropout "
             f"{'as configured' if args.attention_dropout is None else args.attention_dropout}"
