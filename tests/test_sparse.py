@@ -196,3 +196,25 @@ def test_mine_with_a_sparse_export_on_two_ranks_takes_the_dot_product_top(tiny_m
         scores = (q @ d.T)[0]
         want = [pool[j] for j in scores.argsort(descending=True).tolist() if pool[j] not in pos][:4]
         assert row["neg_doc"] == want, (row["neg_doc"], want)
+
+
+def test_a_sparse_run_validates_and_retrieves_and_its_export_is_an_input(tiny_model_dir, small_train_file, small_beir,
+                                                                         tmp_path):
+    """Validation groups and --eval-beir score sparse vectors during training (beir/* with the active
+    dimensions and index size), --select-best reads them, the FLOPS terms are logged, and the export given
+    as --model is read as a SparseEncoder (the sparse head, its trained MLM head: nothing starts fresh)."""
+    first = run_sparse(tiny_model_dir, small_train_file, tmp_path / "first")
+    out = tmp_path / "run"
+    done = run_script("train_biencoder.py", ["--model", first, "--train-file", small_train_file, "--val-file",
+                                             os.path.join(ROOT, "data", "val.jsonl"), "--val-max-groups", 8,
+                                             "--eval-beir", small_beir, "--select-best", "beir/ndcg@10",
+                                             "--batch-size", 4, "--max-steps", 2, "--val-every", 1,
+                                             "--flops-warmup-steps", 3, "--output-dir", out])
+    assert "start fresh" not in done.stdout + done.stderr
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    beir = [r for r in rows if r["split"] == "beir"]
+    assert beir and all(0 <= r["ndcg@10"] <= 1 and r["active_dims_d"] > 0 and r["index_mb"] > 0 for r in beir)
+    train = [r for r in rows if r["split"] == "train"]
+    assert all(r["flops_q"] > 0 and r["flops_d"] > 0 and r["active_dims_q"] > 0 for r in train)
+    assert [r["flops_weight_ramp"] for r in train] == pytest.approx([0.0, 1 / 9])  # (steps done / 3) ^ 2
+    assert json.loads((out / "final" / "retrieval_kit.json").read_text())["head"] == "sparse"
