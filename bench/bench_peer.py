@@ -89,18 +89,24 @@ def sequential_batches(dataset, batch_size, drop_last, **_):
     return DefaultBatchSampler(SequentialSampler(dataset), batch_size=batch_size, drop_last=drop_last)
 
 
-def st_run(model_dir, args, work, n_steps):
-    """Train sentence-transformers for n_steps on `work`; returns the step times (end to end)."""
-    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
-    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
-    from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
-
+def triplet_rows(work, n_steps):
+    """The first n_steps batches of `work` as sentence-transformers' (anchor, positive, negative) columns."""
     rows = {"anchor": [], "positive": [], "negative": []}
     for queries, groups in work[:n_steps]:
         for q, (pos, neg) in zip(queries, groups):
             rows["anchor"].append(q)
             rows["positive"].append(pos)
             rows["negative"].append(neg)
+    return rows
+
+
+def st_run(model_dir, args, work, n_steps):
+    """Train sentence-transformers for n_steps on `work`; returns the step times (end to end)."""
+    from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+    from sentence_transformers.sentence_transformer.training_args import SentenceTransformerTrainingArguments
+
+    rows = triplet_rows(work, n_steps)
     model = SentenceTransformer(model_dir, device="cpu")
     model.max_seq_length = args.passage_max_length
     set_st_attention_dropout(model, args.attention_dropout)
@@ -119,12 +125,7 @@ def st_multi_vector_run(model_dir, args, work, n_steps):
     from sentence_transformers.multi_vector_encoder.trainer import MultiVectorEncoderTrainer
     from sentence_transformers.multi_vector_encoder.training_args import MultiVectorEncoderTrainingArguments
 
-    rows = {"anchor": [], "positive": [], "negative": []}
-    for queries, groups in work[:n_steps]:
-        for q, (pos, neg) in zip(queries, groups):
-            rows["anchor"].append(q)
-            rows["positive"].append(pos)
-            rows["negative"].append(neg)
+    rows = triplet_rows(work, n_steps)
     model = MultiVectorEncoder(model_dir, device="cpu")
     model.max_seq_length = args.passage_max_length
     set_st_attention_dropout(model, args.attention_dropout)

@@ -3,8 +3,9 @@
 import torch
 
 
-def exact_topk(q_emb, p_emb, k, query_chunk=256, corpus_chunk=8192):
-    """Exact top-k by inner product, never building the full (Q, P) score matrix.
+def exact_topk(q_emb, p_emb, k, query_chunk=256, corpus_chunk=8192, score=None):
+    """Exact top-k by inner product (or `score(q block, p block)` -> (q, c) scores), never building the
+    full (Q, P) score matrix.
 
     Scores are computed for query_chunk x corpus_chunk blocks and merged into a running top-k.
     Returns (scores (Q, k'), indices (Q, k')) with k' = min(k, P), best first.
@@ -16,7 +17,7 @@ def exact_topk(q_emb, p_emb, k, query_chunk=256, corpus_chunk=8192):
         best_s = torch.full((q.shape[0], 0), float("-inf"), device=q.device)
         best_i = torch.zeros((q.shape[0], 0), dtype=torch.long, device=q.device)
         for ps in range(0, p_emb.shape[0], corpus_chunk):
-            s = q @ p_emb[ps:ps + corpus_chunk].T  # (q, c)
+            s = q @ p_emb[ps:ps + corpus_chunk].T if score is None else score(q, p_emb[ps:ps + corpus_chunk])  # (q, c)
             cand_s = torch.cat([best_s, s], dim=1)
             cand_i = torch.cat([best_i, torch.arange(ps, ps + s.shape[1], device=q.device).expand(q.shape[0], -1)],
                                dim=1)
@@ -34,22 +35,7 @@ def maxsim_topk(q_tok, p_tok, k, query_chunk=64, corpus_chunk=1024):
     vectors, memory holds one block's similarities and one corpus chunk in fp32."""
     from .losses import maxsim
 
-    k = min(k, p_tok.shape[0])
-    all_scores, all_idx = [], []
-    for qs in range(0, q_tok.shape[0], query_chunk):
-        q = q_tok[qs:qs + query_chunk].float()
-        best_s = torch.full((q.shape[0], 0), float("-inf"), device=q.device)
-        best_i = torch.zeros((q.shape[0], 0), dtype=torch.long, device=q.device)
-        for ps in range(0, p_tok.shape[0], corpus_chunk):
-            s = maxsim(q, p_tok[ps:ps + corpus_chunk])  # (q, c)
-            cand_s = torch.cat([best_s, s], dim=1)
-            cand_i = torch.cat([best_i, torch.arange(ps, ps + s.shape[1], device=q.device).expand(q.shape[0], -1)],
-                               dim=1)
-            top = cand_s.topk(min(k, cand_s.shape[1]), dim=1)
-            best_s, best_i = top.values, cand_i.gather(1, top.indices)
-        all_scores.append(best_s)
-        all_idx.append(best_i)
-    return torch.cat(all_scores), torch.cat(all_idx)
+    return exact_topk(q_tok.float(), p_tok, k, query_chunk, corpus_chunk, score=maxsim)
 
 
 def sparse_topk(q_vec, p_sparse, k, query_chunk=64):

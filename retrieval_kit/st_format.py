@@ -177,6 +177,14 @@ def read_sparse(model_dir):
     raise SystemExit(f"{modules_path}: {problem}; the kit does not reproduce it: fine-tune it with sentence-transformers")
 
 
+def _write_files(out_dir, files):
+    """{path under out_dir: JSON object}, folders made as needed."""
+    for name, obj in files.items():
+        os.makedirs(os.path.dirname(os.path.join(out_dir, name)), exist_ok=True)
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(obj, f, indent=2)
+
+
 def write_sparse_files(out_dir, settings):
     """Write the sentence-transformers SparseEncoder files of a --head sparse export (SPLADE): the
     Transformer reading the vocabulary logits of the saved *ForMaskedLM model, with
@@ -196,10 +204,7 @@ def write_sparse_files(out_dir, settings):
              "config_sentence_transformers.json": {
                  "model_type": "SparseEncoder", "similarity_fn_name": "dot", "default_prompt_name": None,
                  "prompts": {"query": settings["query_prefix"], "document": settings["passage_prefix"]}}}
-    for name, obj in files.items():
-        os.makedirs(os.path.dirname(os.path.join(out_dir, name)), exist_ok=True)
-        with open(os.path.join(out_dir, name), "w") as f:
-            json.dump(obj, f, indent=2)
+    _write_files(out_dir, files)
 
 
 def write_multi_vector_files(out_dir, settings, hidden_size, dim):
@@ -228,10 +233,7 @@ def write_multi_vector_files(out_dir, settings, hidden_size, dim):
              "config_sentence_transformers.json": {
                  "model_type": "MultiVectorEncoder", "similarity_fn_name": "maxsim", "default_prompt_name": None,
                  "prompts": {"query": settings["query_prefix"], "document": settings["passage_prefix"]}}}
-    for name, obj in files.items():
-        os.makedirs(os.path.dirname(os.path.join(out_dir, name)), exist_ok=True)
-        with open(os.path.join(out_dir, name), "w") as f:
-            json.dump(obj, f, indent=2)
+    _write_files(out_dir, files)
 
 
 def read_st_dense(model_dir):
