@@ -5,7 +5,7 @@ sentence-transformers' CrossEncoderTrainer, on the same causal LM and the same p
     python bench/bench_decoder_step.py --model DIR      # 2 queries x 4 pairs, pairs up to 192 tokens
     python bench/bench_decoder_step.py --model DIR --profile    # + where the kit's step spends its time
 
-Every side trains rank-16 LoRA adapters (alpha 32, dropout 0.1) on the seven Llama / Qwen projections of
+Every side trains rank-16 LoRA adapters (alpha 32, dropout --lora-dropout, 0.1) on the seven Llama / Qwen projections of
 a frozen fp32 base, scores a pair by logit("yes") - logit("no") after Qwen3-Reranker's prompt layout
 (--prompt-template qwen3), takes the listwise softmax cross-entropy over each query's group (positive
 first), clips the grad norm at 1 and steps fused AdamW (lr 2e-4, weight decay 0.01), under bf16 autocast
@@ -51,7 +51,7 @@ from retrieval_kit.losses import RERANK_LOSSES, reranker_loss  # noqa: E402
 from retrieval_kit.models import CrossEncoder, lm_token_ids, load_lm_reranker, setup_pad_token  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-RANK, ALPHA, DROPOUT, LR = 16, 32, 0.1, 2e-4
+RANK, ALPHA, LR = 16, 32, 2e-4
 SIDES = ("kit", "bare", "st")
 
 
@@ -75,7 +75,7 @@ def make_kit(model_dir, args, tok):
     net = load_lm_reranker(model_dir).train()
     setup_pad_token(tok, net)
     layout = pair_layout(tok, TEMPLATE_PRESETS["qwen3"])
-    lora.apply_lora(net, RANK, ALPHA, DROPOUT, TARGETS)
+    lora.apply_lora(net, RANK, ALPHA, args.lora_dropout, TARGETS)
     ctx = dist.init()
     model, _ = dist.wrap(CrossEncoder(net, "native", lm_token_ids(tok, ("yes", "no"))), net, ctx)
     opt = optim.build_optimizer(optim.param_groups(net, 0.01), LR)
@@ -112,7 +112,8 @@ def make_bare(model_dir, args, tok):
     from transformers import AutoModelForCausalLM
 
     net = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-                         LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=DROPOUT, target_modules=list(TARGETS)))
+                         LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=args.lora_dropout,
+                                                                 target_modules=list(TARGETS)))
     net.train()
     yes, no = lm_token_ids(tok, ("yes", "no"))
     trained = [p for p in net.parameters() if p.requires_grad]
@@ -147,7 +148,7 @@ def st_times(model_dir, args, tok, work):
                                                            model.tokenizer.chat_template)
     # peft's adapters on its causal LM (get_peft_model: transformers' add_adapter wants peft >= 0.22, the
     # test extra holds 0.21)
-    model[0].model = get_peft_model(model[0].model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=DROPOUT,
+    model[0].model = get_peft_model(model[0].model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=args.lora_dropout,
                                                                target_modules=list(TARGETS)))
     rows = {"query": [], "docs": [], "labels": []}
     for queries, groups in work:
@@ -202,6 +203,7 @@ def main():
     ap.add_argument("--max-length", type=int, default=192, help="tokens per pair (the kit's --rerank-max-length)")
     ap.add_argument("--chunk-tokens", type=int, default=0, help="the kit's --chunk-tokens (default 0: one forward)")
     ap.add_argument("--compute-dtype", choices=("fp32", "bf16"), default="bf16", help="every side's compute dtype")
+    ap.add_argument("--lora-dropout", type=float, default=0.1, help="every side's LoRA dropout (default 0.1)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per block")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps at the start of each block")
     ap.add_argument("--blocks", type=int, default=2, help="blocks per side (default 2)")
@@ -230,7 +232,7 @@ def main():
     from transformers import AutoConfig
 
     net = load_lm_reranker(args.model)
-    lora.apply_lora(net, RANK, ALPHA, DROPOUT, TARGETS)
+    lora.apply_lora(net, RANK, ALPHA, args.lora_dropout, TARGETS)
     flops = statistics.median(tokens) * log.flops_per_token(net) if tokens else float("nan")
     peak = matmul_peak(AutoConfig.from_pretrained(args.model),
                        dtype=torch.bfloat16 if args.compute_dtype == "bf16" else torch.float32)
