@@ -30,8 +30,9 @@ def setup_head(args, settings, encoder, source):
     """The embedding's head: Matryoshka dims (--matryoshka-dims, checked against the embedding size);
     for --head multi-vector (or a MultiVectorEncoder dir) the token projection on the model (and on rank
     0's loaded copy under FSDP2) and its size in `settings`; the temperature's default for the head
-    (MaxSim sums over the query's tokens: scale 1, as PyLate's). Returns (dims, LoRA's `train`: what
-    is trained in full beside the adapters - the projection - or None)."""
+    (0.05 for one vector; 1 for MaxSim, a sum over the query's tokens, and for sparse dot products, as
+    PyLate and sentence-transformers use). Returns (dims, LoRA's `train`: what is trained in full beside
+    the adapters - the multi-vector projection, or a sparse model's untied vocabulary head - or None)."""
     dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights, embedding_size(encoder))
     multi = settings["head"] == "multi-vector"
     if args.temperature is None:  # (sparse: the dot product of unnormalized weights, scale 1, as SpladeLoss)
