@@ -13,7 +13,7 @@ import functools
 import os
 
 from retrieval_kit import ckpt, cli, data, dist, dropout, evaluate, log, loop, lora, optim, plan, precision, records
-from retrieval_kit.collate import biencoder_inputs
+from retrieval_kit.collate import biencoder_inputs, maxsim_sides
 from retrieval_kit.export import export_model, model_card
 from retrieval_kit.formats import exit_on_data_error
 from retrieval_kit.losses import Flops, biencoder_loss, contrastive_loss, matryoshka, matryoshka_plan
@@ -35,6 +35,10 @@ def setup_head(args, settings, encoder, source):
     the adapters - the multi-vector projection, or a sparse model's untied vocabulary head - or None)."""
     dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights, embedding_size(encoder))
     multi = settings["head"] == "multi-vector"
+    for name in ("query_expansion", "skiplist") if not multi else ():
+        if getattr(args, name) is not None:
+            raise SystemExit(f"--{name.replace('_', '-')}: only with --head multi-vector (MaxSim's tokens); this "
+                             f"run's head is {settings['head']}")
     if args.temperature is None:  # (sparse: the dot product of unnormalized weights, scale 1, as SpladeLoss)
         args.temperature = 0.05 if settings["head"] == "single-vector" else 1.0
     if settings["head"] == "sparse":  # a vocabulary head tied to the embeddings trains its own parameters only
@@ -120,7 +124,7 @@ def main():
         biencoder_inputs, tokenizer=tokenizer, query_max_length=settings["query_max_length"],
         passage_max_length=settings["passage_max_length"], query_prefix=settings["query_prefix"],
         passage_prefix=settings["passage_prefix"], pad_to_multiple_of=args.pad_to_multiple_of,
-        chunk_tokens=args.chunk_tokens, same_chunk_count=args.parallel == "fsdp2")
+        chunk_tokens=args.chunk_tokens, same_chunk_count=args.parallel == "fsdp2", sides=maxsim_sides(tokenizer, settings))
     dataset = data.StepBatches(files, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed,
                                [functools.partial(collate, **f.prompts) for f in files],  # a file's own prompts
                                scores=args.distill_weight > 0)  # teacher scores ride with the batch

@@ -18,7 +18,7 @@ import torch
 class Chunked:
     """A padded batch with its chunk plan.
 
-    batch:   the tensors (input_ids, attention_mask, token_type_ids), rows sorted longest first
+    batch:   the tensors (input_ids, attention_mask, token_type_ids, maxsim_mask), rows sorted longest first
              when chunked, as collated otherwise
     chunks:  ((start, end, width), ...) over the sorted rows; () when chunking is off
     order:   sorted row -> batch row (None when off); inverse: batch row -> sorted row
@@ -109,6 +109,8 @@ def chunk_batch(batch, chunk_tokens, multiple=None, max_length=None):
     mask = tensors["attention_mask"]
     lengths = mask.sum(dim=1)
     n_tokens = int(lengths.sum())
+    if "maxsim_mask" in tensors:  # --head multi-vector: expansion tokens MaxSim scores but the encoder skips
+        lengths = (mask.bool() | tensors["maxsim_mask"].bool()).sum(dim=1)
     if chunk_tokens <= 0 or mask.shape[0] <= 1:
         return Chunked(tensors, n_tokens=n_tokens)
     order = torch.argsort(lengths, descending=True, stable=True)

@@ -18,6 +18,7 @@ unless the script adds its name to the `neutral` set it passes to ckpt.start_run
 import argparse
 import functools
 import os
+import string
 
 from . import flags
 from .records import DataSpec
@@ -173,7 +174,12 @@ def setting_overrides(args):
     the model dir's)."""
     from .st_format import SETTING_KEYS
 
-    return {k: getattr(args, k, None) for k in SETTING_KEYS}
+    out = {k: getattr(args, k, None) for k in SETTING_KEYS}
+    for key, flag_name, values in (("query_expansion", "query_expansion", QUERY_EXPANSION),
+                                   ("skiplist_words", "skiplist", SKIPLISTS)):  # --head multi-vector's
+        given = getattr(args, flag_name, None)
+        out[key] = None if given is None else values[given]
+    return out
 
 
 def add_model_args(g):
@@ -468,6 +474,9 @@ def resume_request(args):
 # ----- the parsers, and what is decided from several flags ---------------------------------------
 
 BIENCODER_HEADS = ("single-vector", "multi-vector", "sparse")
+# --query-expansion / --skiplist -> the settings' query_expansion / skiplist_words (collate.maxsim_sides)
+QUERY_EXPANSION = {"off": False, "on": {"attend": False, "token": None}, "attend": {"attend": True, "token": None}}
+SKIPLISTS = {"none": [], "punctuation": list(string.punctuation)}
 
 
 def biencoder_parser(description=None):
@@ -494,6 +503,16 @@ def biencoder_parser(description=None):
     flag(g, "--multi-vector-dim", type=flags.positive_int, default=128,
          help="--head multi-vector: the size of each token's vector (default 128, as sentence-transformers' "
               "MultiVectorEncoder; a MultiVectorEncoder dir's own projection keeps its size)")
+    flag(g, "--query-expansion", choices=tuple(QUERY_EXPANSION), default=None,
+         help="--head multi-vector: ColBERT's query expansion. on = every query padded to --query-max-length with "
+              "the [MASK] token (the tokenizer's mask token, else its EOS), which MaxSim scores and the encoder does "
+              "not attend to; attend = the encoder attends to them too (PyLate's attend_to_expansion_tokens); off = "
+              "none (default: the model dir's - a PyLate or Stanford ColBERT dir expands - else off, as "
+              "sentence-transformers' MultiVectorEncoder)")
+    flag(g, "--skiplist", choices=tuple(SKIPLISTS), default=None,
+         help="--head multi-vector: passage tokens MaxSim does not score. punctuation = each character of Python's "
+              "string.punctuation that is one token (ColBERT's and PyLate's default) (default: the model dir's, else "
+              "none, as sentence-transformers' MultiVectorEncoder)")
     loss = p.add_argument_group("loss")
     add_biencoder_loss_args(loss)
     flag(loss, "--flops-weights", type=flags.listed(flags.nonneg_float), default=[5e-5, 3e-5],

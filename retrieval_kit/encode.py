@@ -19,13 +19,14 @@ TOKEN_STORAGE = torch.bfloat16  # a multi-vector corpus's token vectors (scored 
 
 @torch.no_grad()
 def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, pooling="avg",
-                 normalize=True, device="cpu", progress=False, desc="encode"):
+                 normalize=True, device="cpu", progress=False, desc="encode", side=None):
     """Embed `texts` -> (N, H) float32 tensor on CPU, rows in the order of `texts`.
 
     `model` is an HF encoder (pooled with `pooling` / `normalize`) or a BiEncoder (its own settings).
     pooling "tokens" (--head multi-vector): (N, max_length, dim + 1) token vectors with their mask
     channel (models.token_vectors), stored in TOKEN_STORAGE (bf16: 2 bytes a number); pooling "sparse"
-    (--head sparse): (N, V) sparse COO, the vectors' non-zeros only (models.sparse_vectors).
+    (--head sparse): (N, V) sparse COO, the vectors' non-zeros only (models.sparse_vectors). `side`: the
+    texts' collate.MaxSimSide (--head multi-vector's query expansion or skiplist), or None.
     """
     was_training = model.training
     model.eval()
@@ -35,7 +36,7 @@ def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
     starts = range(0, len(texts), batch_size)
     for s in tqdm(starts, desc=desc, disable=not progress):
         idx = order[s:s + batch_size]
-        batch = tokenize(tokenizer, [texts[i] for i in idx], max_length, prefix).to(device)
+        batch = tokenize(tokenizer, [texts[i] for i in idx], max_length, prefix, side=side).to(device)
         if pooling == "tokens":  # --head multi-vector: (rows, max_length, dim + 1) token vectors, stored small
             reps = model(p=batch)["p"] if isinstance(model, LateInteraction) else token_vectors(model, batch)
             # (columns past max_length, which a configured width may add, are padding: cut)
@@ -105,7 +106,7 @@ def rerank_groups(model, tokenizer, queries, groups, settings, batch_size=16, de
 
 
 def encode_shard(model, tokenizer, texts, max_length, prefix="", batch_size=64, pooling="avg", normalize=True,
-                 device="cpu", progress=False, desc="encode"):
+                 device="cpu", progress=False, desc="encode", side=None):
     """This rank's contiguous shard of `texts` (data.shard) embedded: ((n_own, H) float32 on CPU,
     index of its first text in `texts`). Every rank runs the same number of batches (a short shard
     repeats a text, dropped after), as FSDP2's collective forwards need."""
@@ -117,7 +118,7 @@ def encode_shard(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
     own = shard(texts, rank, world)
     padded = own + [texts[-1]] * (per - len(own)) if texts else []
     mine = encode_texts(model, tokenizer, padded, max_length, prefix, batch_size, pooling, normalize, device,
-                        progress and rank == 0, desc)
+                        progress and rank == 0, desc, side)
     if mine.is_sparse:
         return mine.index_select(0, torch.arange(len(own))), min(rank * per, len(texts))
     return mine[:len(own)], min(rank * per, len(texts))
@@ -154,7 +155,7 @@ def block_done(path):
 
 
 def encode_blocks(model, tokenizer, texts, max_length, prefix, batch_size, pooling, normalize, device, parts, name,
-                  block_size, progress=False):
+                  block_size, progress=False, side=None):
     """Embed `texts` in blocks of `block_size`, block b on rank b % world, each saved to
     `parts`/NAME_b.pt as soon as it is done (a temporary file renamed, its checksum written beside
     it), so a run killed and started again skips the blocks already written, on any number of ranks.
@@ -172,7 +173,7 @@ def encode_blocks(model, tokenizer, texts, max_length, prefix, batch_size, pooli
             emb = torch.load(path, weights_only=True)
         else:
             emb = encode_texts(model, tokenizer, [texts[i] for i in rows], max_length, prefix, batch_size, pooling,
-                               normalize, device)
+                               normalize, device, side=side)
             save_block(path, lambda tmp: torch.save(emb, tmp))
         embs.append(emb)
         ids.append(torch.arange(rows.start, rows.stop))
@@ -182,7 +183,7 @@ def encode_blocks(model, tokenizer, texts, max_length, prefix, batch_size, pooli
 
 
 def encode_sharded(model, tokenizer, texts, max_length, prefix="", batch_size=64, pooling="avg", normalize=True,
-                   device="cpu", progress=False, desc="encode"):
+                   device="cpu", progress=False, desc="encode", side=None):
     """encode_texts split over the ranks of the process group, gathered back in order on every rank."""
     import torch.distributed as tdist
 
@@ -192,9 +193,9 @@ def encode_sharded(model, tokenizer, texts, max_length, prefix="", batch_size=64
     world = world_size()
     if world == 1:
         return encode_texts(model, tokenizer, texts, max_length, prefix, batch_size, pooling, normalize, device,
-                            progress, desc)
+                            progress, desc, side)
     mine, _ = encode_shard(model, tokenizer, texts, max_length, prefix, batch_size, pooling, normalize, device,
-                           progress, desc)
+                           progress, desc, side)
     mine = mine.to_dense() if mine.is_sparse else mine  # (gathered dense: queries, a few at a time)
     per = -(-len(texts) // world)
     dims = torch.zeros(2, dtype=torch.long, device=device)  # a row's shape: (H,) or, token vectors, (W, d + 1)

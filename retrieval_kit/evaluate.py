@@ -20,6 +20,7 @@ import os
 import torch
 
 from . import cli, dist, flags, precision
+from .collate import maxsim_sides
 from .data import shard
 from .formats import read_corpus, read_qrels, read_queries
 from .encode import encode_shard, encode_sharded, score_pairs
@@ -106,10 +107,13 @@ def retrieve_dims(model, tokenizer, settings, beir, dims, k=100, batch_size=64, 
         run = {q: {ids[j]: s for s, j in zip(scores[i].tolist(), idx[i].tolist())} for i, q in enumerate(qids)}
         return {d: run for d in dims if d is None}
     if settings.get("head") == "multi-vector":  # token vectors (bf16-stored), scored by exact blocked MaxSim
+        sides = maxsim_sides(tokenizer, settings)  # query expansion, the passages' skiplist
         p_own, offset = encode_shard(model, tokenizer, texts, settings["passage_max_length"],
-                                     settings["passage_prefix"], batch_size, "tokens", True, device, progress, "corpus")
+                                     settings["passage_prefix"], batch_size, "tokens", True, device, progress, "corpus",
+                                     sides["p"])
         q_tok = encode_sharded(model, tokenizer, [queries[q] for q in qids], settings["query_max_length"],
-                               settings["query_prefix"], batch_size, "tokens", True, device, progress, "queries")
+                               settings["query_prefix"], batch_size, "tokens", True, device, progress, "queries",
+                               sides["q"])
         scores, idx = sharded_topk(q_tok, p_own, offset, k, len(texts), device, search=maxsim_topk)
         run = {q: {ids[j]: s for s, j in zip(scores[i].tolist(), idx[i].tolist())} for i, q in enumerate(qids)}
         return {d: run for d in dims if d is None}

@@ -11,6 +11,7 @@ and up to `k` of the rest are kept, best first.
 import numpy as np
 import torch
 
+from .collate import maxsim_sides
 from .losses import maxsim_pairs
 from .search import exact_topk, maxsim_topk, sharded_topk, sparse_topk
 from .textstore import DigestIndex, digest
@@ -316,12 +317,13 @@ def main(argv=None):
     pooling = {"multi-vector": "tokens", "sparse": "sparse"}.get(s.get("head"), s["pooling"])  # MaxSim / sparse search
     with flags.writing(args.out, then=f"the blocks encoded so far are kept in {parts}: free space, then run the "
                                       "same command again"):
+        sides = maxsim_sides(tok, s)  # --head multi-vector: query expansion, the passages' skiplist
         p_shard, p_ids = encode_blocks(enc, tok, texts, s["passage_max_length"], s["passage_prefix"], args.batch_size,
                                        pooling, s["normalize"], ctx.device, parts, "passages", args.block_size,
-                                       ctx.is_main)
+                                       ctx.is_main, sides["p"])
         q_own, q_ids = encode_blocks(enc, tok, [r.query for r in records], s["query_max_length"], s["query_prefix"],
                                      args.batch_size, pooling, s["normalize"], ctx.device, parts, "queries",
-                                     args.block_size, ctx.is_main)
+                                     args.block_size, ctx.is_main, sides["q"])
     dist.print0(f"candidates: {len(texts):,} passages, each rank encoding and searching its blocks of them for "
                 f"its blocks of the {len(records):,} queries ({ctx.world_size} rank{'s' if ctx.world_size > 1 else ''}"
                 f"; blocks of {args.block_size:,} in {parts}, kept until the file is written)")

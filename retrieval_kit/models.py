@@ -51,14 +51,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voca
 
 def load_tokenizer(path, trust_remote_code=False):
     """AutoTokenizer from `path`; one sentence if it cannot load, or if the dir holds no tokenizer
-    file at all (transformers then builds an empty vocabulary: every word would be [UNK])."""
+    file at all (transformers then builds an empty vocabulary: every word would be [UNK]). A PyLate or
+    Stanford ColBERT dir's markers are made whole tokens (st_format.register_markers)."""
     from transformers import AutoTokenizer
 
     if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, n)) for n in TOKENIZER_FILES):
         raise SystemExit(f"{path}: cannot load the tokenizer (the dir holds none of {', '.join(TOKENIZER_FILES[:4])}, "
                          "...; transformers would build an empty vocabulary)")
+    from .st_format import read_multi_vector, register_markers
+
     with loading(path, "tokenizer"):
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    multi = read_multi_vector(path) if os.path.isdir(path) else None
+    if multi and multi["markers"]:  # a PyLate / Stanford ColBERT dir: its [Q] / [D] markers stay whole tokens
+        register_markers(tokenizer, multi["markers"])
+    return tokenizer
 
 
 def attn_kwargs(attn_implementation):
@@ -140,7 +147,8 @@ def attach_multi_vector(model, dim, seed=0, meta=False, path=None):
     """--head multi-vector: a bias-free linear projection of every token's state to `dim`, as
     `model.multi_vector` (an STDense with no activation: sentence-transformers' token-level Dense of a
     MultiVectorEncoder), trained with the encoder and riding on the Hugging Face model as st_dense does.
-    A dir `path` that brings one (a MultiVectorEncoder dir, st_format.read_multi_vector) gives its size and weights;
+    A dir `path` that brings one (MultiVectorEncoder, PyLate, Stanford ColBERT: st_format.read_multi_vector) gives
+    its size and weights;
     else the init is torch's nn.Linear init drawn from a generator seeded by `seed`: the same on every
     rank and in every world size."""
     from .st_format import read_multi_vector
@@ -153,9 +161,10 @@ def attach_multi_vector(model, dim, seed=0, meta=False, path=None):
         dense = STDense(hidden, dim, bias=False, activation_function="torch.nn.modules.linear.Identity")
     if not meta:
         if spec is not None:
-            from safetensors.torch import load_file
+            from safetensors import safe_open
 
-            dense.load_state_dict(load_file(os.path.join(spec["path"], "model.safetensors")))
+            with safe_open(os.path.join(spec["path"], "model.safetensors"), "pt") as f:  # (Stanford: among the model's)
+                dense.load_state_dict({"linear.weight": f.get_tensor(spec["key"])})
         else:
             bound = 1.0 / hidden ** 0.5  # nn.Linear's kaiming_uniform(a=sqrt(5)) bound, from a fixed generator
             gen = torch.Generator().manual_seed(seed)
@@ -168,13 +177,14 @@ def attach_multi_vector(model, dim, seed=0, meta=False, path=None):
 
 def token_vectors(model, batch, width=None):
     """--head multi-vector: each token's state through `model.multi_vector`, L2-normalized, in fp32:
-    (B, width, dim + 1), the last channel the token mask (1 = a token MaxSim scores, 0 = padding),
-    padded with zero rows to `width` (None: the batch's own) so chunks and ranks concatenate."""
+    (B, width, dim + 1), the last channel the token mask (1 = a token MaxSim scores, 0 = padding; the
+    batch's "maxsim_mask" where collate.MaxSimSide made one: query expansion, a skiplist), padded with
+    zero rows to `width` (None: the batch's own) so chunks and ranks concatenate."""
     extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
     hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).last_hidden_state
     dense = model.multi_vector
     vec = F.normalize(dense(hidden.to(dense.linear.weight.dtype)).float(), dim=-1)
-    mask = batch["attention_mask"].to(vec.dtype).unsqueeze(-1)
+    mask = batch.get("maxsim_mask", batch["attention_mask"]).to(vec.dtype).unsqueeze(-1)
     out = torch.cat([vec * mask, mask], dim=-1)
     if width is not None:
         if out.shape[1] > width:
@@ -378,7 +388,7 @@ def load_encoder(path, dtype=torch.float32, trust_remote_code=False, attn_implem
 
     if load_settings(path).get("head") == "sparse" or read_sparse(path):  # the model with its vocabulary head
         return load_sparse(path, dtype, trust_remote_code, attn_implementation, meta, attention_dropout, fast_dropout)
-    if read_multi_vector(path) is not None:  # a MultiVectorEncoder dir: its token projection
+    if read_multi_vector(path) is not None:  # a multi-vector dir: its token projection
         return attach_multi_vector(model, 0, meta=meta, path=path)
     return attach_st_dense(model, path, dtype, meta)  # a sentence-transformers Dense after the pooling
 

@@ -73,13 +73,23 @@ class Scorer:
                                 self.batch_size, self.device)[:, 0].tolist()
         from .encode import encode_texts
 
+        from .collate import maxsim_sides
+        from .losses import maxsim_pairs
+
         s = self.settings
-        args = (self.batch_size, s["pooling"], s["normalize"], self.device)
+        pooling = {"multi-vector": "tokens", "sparse": "sparse"}.get(s.get("head"), s["pooling"])
+        args = (self.batch_size, pooling, s["normalize"], self.device)
+        sides = maxsim_sides(self.tokenizer, s)  # --head multi-vector: query expansion, the passages' skiplist
         unique = list(dict.fromkeys(queries))  # each query embedded once, not once per passage
         row = {text: i for i, text in enumerate(unique)}
-        q = encode_texts(self.model, self.tokenizer, unique, s["query_max_length"], s["query_prefix"], *args)
-        p = encode_texts(self.model, self.tokenizer, passages, s["passage_max_length"], s["passage_prefix"], *args)
-        return (q[[row[text] for text in queries]] * p).sum(-1).tolist()
+        q = encode_texts(self.model, self.tokenizer, unique, s["query_max_length"], s["query_prefix"], *args,
+                         side=sides["q"])
+        p = encode_texts(self.model, self.tokenizer, passages, s["passage_max_length"], s["passage_prefix"], *args,
+                         side=sides["p"])
+        q = q.to_dense() if q.is_sparse else q
+        p = p.to_dense() if p.is_sparse else p  # (a block of records' passages)
+        q = q[[row[text] for text in queries]]
+        return (maxsim_pairs(q, p) if pooling == "tokens" else (q.float() * p.float()).sum(-1)).tolist()
 
 
 def score_block(scorer, records):

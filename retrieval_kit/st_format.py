@@ -15,6 +15,7 @@ then the sentence-transformers files, then the kit's defaults (`resolve_biencode
 
 import json
 import os
+import string
 
 SETTINGS_FILE = "retrieval_kit.json"  # the kit's own settings, beside an exported model
 KIT_DEFAULTS = {"pooling": "avg", "normalize": True, "query_prefix": "", "passage_prefix": "",
@@ -48,18 +49,23 @@ def _pooling_mode(config, path):
 
 def read_st_settings(model_dir):
     """The bi-encoder settings a sentence-transformers dir declares ({} for a dir without modules.json),
-    as the kit's keys: pooling, normalize, query_prefix, passage_prefix, query/passage_max_length."""
+    as the kit's keys: pooling, normalize, query_prefix, passage_prefix, query/passage_max_length; a
+    multi-vector dir's (MultiVectorEncoder, PyLate, Stanford ColBERT: read_multi_vector) with its head,
+    query_expansion and skiplist_words."""
+    multi = read_multi_vector(model_dir)
+    if multi is not None:  # token vectors: per-task lengths, prompts (markers first), expansion, skiplist
+        max_len = _max_length(model_dir)
+        return {**({"query_max_length": max_len, "passage_max_length": max_len} if max_len else {}),
+                **multi["settings"]}
     modules_path = os.path.join(model_dir, "modules.json")
     if not os.path.isfile(modules_path):
         return {}
     out = {"normalize": False}
-    if read_multi_vector(model_dir) is not None:  # a MultiVectorEncoder: token vectors, per-task lengths
-        out.update(head="multi-vector", normalize=True)
-    elif read_sparse(model_dir):  # a SparseEncoder (SPLADE): vocabulary-sized vectors, dot product
+    if read_sparse(model_dir):  # a SparseEncoder (SPLADE): vocabulary-sized vectors, dot product
         out.update(head="sparse")
     for m in _json(modules_path):
         kind = m.get("type", "").rsplit(".", 1)[-1]
-        if kind in ("MultiVectorMask", "SpladePooling"):
+        if kind == "SpladePooling":
             continue
         if kind == "Pooling":
             path = os.path.join(model_dir, m.get("path", ""), "config.json")
@@ -71,20 +77,9 @@ def read_st_settings(model_dir):
             out["normalize"] = True
         elif kind not in ("Transformer", "Dense"):  # a Dense rides with the model (read_st_dense)
             raise SystemExit(_unsupported(model_dir, modules_path, m, kind))
-    max_len = None
-    sbert = os.path.join(model_dir, "sentence_bert_config.json")
-    if os.path.isfile(sbert):
-        max_len = _json(sbert).get("max_seq_length")
-    tok_config = os.path.join(model_dir, "tokenizer_config.json")
-    if max_len is None and os.path.isfile(tok_config):
-        max_len = _json(tok_config).get("model_max_length")
-        max_len = max_len if isinstance(max_len, int) and max_len < 1_000_000 else None  # "no limit" sentinels
+    max_len = _max_length(model_dir)
     if max_len:
-        out["query_max_length"] = out["passage_max_length"] = int(max_len)
-    if os.path.isfile(sbert):  # a MultiVectorEncoder's per-task lengths
-        for key, ours in (("query_length", "query_max_length"), ("document_length", "passage_max_length")):
-            if _json(sbert).get(key):
-                out[ours] = int(_json(sbert)[key])
+        out["query_max_length"] = out["passage_max_length"] = max_len
     st_config = os.path.join(model_dir, "config_sentence_transformers.json")
     prompts = {}
     if os.path.isfile(st_config):
@@ -95,6 +90,20 @@ def read_st_settings(model_dir):
     if doc:
         out["passage_prefix"] = prompts[doc]
     return out
+
+
+def _max_length(model_dir):
+    """A sentence-transformers dir's one max length: sentence_bert_config.json's max_seq_length, else the
+    tokenizer's model_max_length (not its "no limit" sentinel); None when neither says."""
+    max_len = None
+    sbert = os.path.join(model_dir, "sentence_bert_config.json")
+    if os.path.isfile(sbert):
+        max_len = _json(sbert).get("max_seq_length")
+    tok_config = os.path.join(model_dir, "tokenizer_config.json")
+    if max_len is None and os.path.isfile(tok_config):
+        max_len = _json(tok_config).get("model_max_length")
+        max_len = max_len if isinstance(max_len, int) and max_len < 1_000_000 else None  # "no limit" sentinels
+    return int(max_len) if max_len else None
 
 
 def _unsupported(model_dir, modules_path, module, kind):
@@ -116,39 +125,148 @@ DENSE_ACTIVATIONS = ("torch.nn.modules.activation.Tanh", "torch.nn.modules.linea
 
 
 MULTI_VECTOR_LAYOUT = ("Transformer", "Dense", "MultiVectorMask", "Normalize")  # MultiVectorEncoder's default
+MAXSIM_KEYS = ("query_expansion", "skiplist_words")  # --head multi-vector's tokenization (collate.maxsim_sides)
+MAXSIM_DEFAULTS = {"query_expansion": False, "skiplist_words": []}  # MultiVectorEncoder's defaults: neither
+PUNCTUATION = list(string.punctuation)  # PyLate's and Stanford ColBERT's default skiplist
+
+
+def _colbert_config(model_dir):
+    """The ColBERT settings of a PyLate dir (at the top of its config_sentence_transformers.json) or of a
+    Stanford-NLP ColBERT dir (its artifact.metadata), in PyLate's names; None for any other dir."""
+    config = os.path.join(model_dir, "config.json")
+    if os.path.isfile(config) and "HF_ColBERT" in (_json(config).get("architectures") or []):
+        meta_path = os.path.join(model_dir, "artifact.metadata")
+        meta = _json(meta_path) if os.path.isfile(meta_path) else {}
+        return {"stanford": True, "query_prefix": (meta.get("query_token_id") or "[unused0]") + " ",
+                "document_prefix": (meta.get("doc_token_id") or "[unused1]") + " ",
+                "query_length": meta.get("query_maxlen") or 32, "document_length": meta.get("doc_maxlen"),
+                "do_query_expansion": True, "attend_to_expansion_tokens": bool(meta.get("attend_to_mask_tokens")),
+                "skiplist_words": PUNCTUATION if meta.get("mask_punctuation", True) else []}
+    st_config = os.path.join(model_dir, "config_sentence_transformers.json")
+    c = _json(st_config) if os.path.isfile(st_config) else {}
+    pylate = ("query_prefix", "document_prefix", "do_query_expansion", "attend_to_expansion_tokens", "skiplist_words")
+    if c.get("model_type") == "ColBERT" or any(k in c for k in pylate):
+        return c
+    return None
 
 
 def read_multi_vector(model_dir):
-    """A sentence-transformers MultiVectorEncoder dir's token projection: {"path", "in_features",
-    "out_features"}, or None for any other dir. The kit carries MultiVectorEncoder's default layout
-    (Transformer, a bias-free identity Dense on token_embeddings, MultiVectorMask, Normalize) with no
-    skiplist and no query expansion; anything else is one sentence."""
+    """A multi-vector (ColBERT-style) dir as sentence-transformers 6.3's MultiVectorEncoder reads it, or
+    None for any other dir: {"path", "key" (the projection's weight file and key), "in_features",
+    "out_features", "settings" (the kit's: head, lengths, prefixes, query_expansion, skiplist_words),
+    "markers" (legacy prefix tokens the tokenizer must keep whole: register_markers)}. Three layouts:
+      - MultiVectorEncoder's own (Transformer, Dense, MultiVectorMask, Normalize): its query_expansion
+        (the fixed strategy) and its skiplist (on documents);
+      - PyLate's (Transformer, Dense; config_sentence_transformers.json: query_prefix / document_prefix,
+        inserted as tokens, query_length, document_length, do_query_expansion (default on),
+        attend_to_expansion_tokens, skiplist_words (default: punctuation));
+      - Stanford-NLP ColBERT's (config.json's architectures HF_ColBERT; artifact.metadata: [unused0] /
+        [unused1] markers, query_maxlen, doc_maxlen, attend_to_mask_tokens, mask_punctuation; the
+        projection as linear.weight among the model's weights; queries always expanded).
+    Anything else (a bias or an activation on the projection, expansion to a minimum width, a skiplist
+    on queries or an allowlist) is one sentence."""
+    legacy = _colbert_config(model_dir)
     modules_path = os.path.join(model_dir, "modules.json")
-    if not os.path.isfile(modules_path):
+    if legacy is not None and legacy.get("stanford"):
+        from safetensors import safe_open
+
+        weights = os.path.join(model_dir, "model.safetensors")
+        if not os.path.isfile(weights):
+            raise SystemExit(f"{model_dir}: a Stanford-NLP ColBERT dir without model.safetensors (its projection, "
+                             "linear.weight, is read from there): save it with safetensors")
+        with safe_open(weights, "pt") as f:
+            out_f, in_f = f.get_slice("linear.weight").get_shape()
+        spec = {"path": model_dir, "key": "linear.weight", "in_features": in_f, "out_features": out_f}
+        kinds, modules = (), []
+    elif not os.path.isfile(modules_path):
         return None
-    modules = _json(modules_path)
-    kinds = tuple(m.get("type", "").rsplit(".", 1)[-1] for m in modules)
-    if "MultiVectorMask" not in kinds:
-        return None
-    problem = None
-    dense = _json(os.path.join(model_dir, modules[1].get("path", ""), "config.json")) if kinds[1:2] == ("Dense",) else {}
-    mask = _json(os.path.join(model_dir, modules[2].get("path", ""), "config.json")) if len(modules) > 2 else {}
+    else:
+        modules = _json(modules_path)
+        kinds = tuple(m.get("type", "").rsplit(".", 1)[-1] for m in modules)
+        pylate = legacy is not None and kinds == ("Transformer", "Dense")
+        if "MultiVectorMask" not in kinds and not pylate:
+            return None
+        if kinds != MULTI_VECTOR_LAYOUT and not pylate:
+            _refuse_mv(modules_path, f"modules {', '.join(kinds)} (the kit carries {', '.join(MULTI_VECTOR_LAYOUT)}, "
+                                     "or PyLate's Transformer, Dense)")
+        dense = _json(os.path.join(model_dir, modules[1].get("path", ""), "config.json"))
+        if dense.get("bias") or dense.get("use_residual") or dense.get(
+                "activation_function", "torch.nn.modules.linear.Identity") != "torch.nn.modules.linear.Identity":
+            _refuse_mv(modules_path, "a token projection with a bias, a residual or an activation (the kit trains a "
+                                     "bias-free linear one)")
+        spec = {"path": os.path.join(model_dir, modules[1].get("path", "")), "key": "linear.weight",
+                "in_features": dense["in_features"], "out_features": dense["out_features"]}
     sbert_path = os.path.join(model_dir, "sentence_bert_config.json")
     sbert = _json(sbert_path) if os.path.isfile(sbert_path) else {}
-    if kinds != MULTI_VECTOR_LAYOUT:
-        problem = f"modules {', '.join(kinds)} (the kit carries {', '.join(MULTI_VECTOR_LAYOUT)})"
-    elif dense.get("bias") or dense.get("activation_function", "torch.nn.modules.linear.Identity") != \
-            "torch.nn.modules.linear.Identity":
-        problem = "a token projection with a bias or an activation (the kit trains a bias-free linear one)"
-    elif mask.get("skiplist_words") or mask.get("keep_only_token_ids"):
-        problem = "a MultiVectorMask that drops tokens from scoring (skiplist_words / keep_only_token_ids)"
-    elif sbert.get("query_expansion"):
-        problem = "query expansion (query_expansion in sentence_bert_config.json)"
-    if problem:
-        raise SystemExit(f"{modules_path}: {problem}; the kit does not reproduce it: fine-tune it with "
-                         "sentence-transformers")
-    return {"path": os.path.join(model_dir, modules[1].get("path", "")), "in_features": dense["in_features"],
-            "out_features": dense["out_features"]}
+    st_config = os.path.join(model_dir, "config_sentence_transformers.json")
+    prompts = dict((_json(st_config).get("prompts") or {}) if os.path.isfile(st_config) else {})
+    out = {"head": "multi-vector", "normalize": True}
+    markers = []
+    if legacy is not None:  # PyLate / Stanford: the markers go before the prompts, kept whole as tokens
+        for key, name in (("query_prefix", "query"), ("document_prefix", "document")):
+            if legacy.get(key):
+                markers.append(legacy[key])
+                prompts[name] = legacy[key] + (prompts.get(name) or "").removeprefix(legacy[key])
+        expand = legacy.get("do_query_expansion", True) is not False
+        out["query_expansion"] = {"attend": bool(legacy.get("attend_to_expansion_tokens")), "token": None} if expand \
+            else False
+        if expand or legacy.get("query_length"):
+            out["query_max_length"] = int(legacy.get("query_length") or 32)
+        if legacy.get("document_length"):
+            out["passage_max_length"] = int(legacy["document_length"])
+        out["skiplist_words"] = list(PUNCTUATION if legacy.get("skiplist_words") is None else legacy["skiplist_words"])
+    else:
+        mask = _json(os.path.join(model_dir, modules[2].get("path", ""), "config.json"))
+        tasks = mask.get("skiplist_tasks", ["document"])
+        if mask.get("keep_only_token_ids") or (mask.get("skiplist_words") and list(
+                [tasks] if isinstance(tasks, str) else tasks) != ["document"]):
+            _refuse_mv(modules_path, "a MultiVectorMask with an allowlist (keep_only_token_ids) or a skiplist on "
+                                     "queries (the kit carries a skiplist on documents)")
+        out["skiplist_words"] = list(mask.get("skiplist_words") or [])
+        expansion = sbert.get("query_expansion")
+        if expansion and expansion.get("strategy") != "fixed":
+            _refuse_mv(modules_path, f"query expansion of strategy {expansion.get('strategy')!r} (the kit expands "
+                                     "queries to a fixed width: strategy 'fixed')")
+        out["query_expansion"] = {"attend": bool(expansion.get("attend")), "token": expansion.get("token")} \
+            if expansion else False
+        for key, ours in (("query_length", "query_max_length"), ("document_length", "passage_max_length")):
+            if sbert.get(key):
+                out[ours] = int(sbert[key])
+        if expansion:
+            out["query_max_length"] = int(expansion["length"])
+    if "query" in prompts:
+        out["query_prefix"] = prompts["query"]
+    doc = next((n for n in DOCUMENT_PROMPTS if n in prompts), None)
+    if doc:
+        out["passage_prefix"] = prompts[doc]
+    return {**spec, "settings": out, "markers": markers}
+
+
+def _refuse_mv(modules_path, problem):
+    raise SystemExit(f"{modules_path}: {problem}; the kit does not reproduce it: fine-tune it with "
+                     "sentence-transformers")
+
+
+def register_markers(tokenizer, markers):
+    """Make a PyLate / Stanford ColBERT dir's prefix markers ("[Q] ", "[unused0] ") single tokens when
+    the tokenizer knows them but would split them, as MultiVectorEncoder does on loading such a dir:
+    each marker (or its first word) that is in the vocabulary or an added token, and does not tokenize
+    to itself, becomes a special token that is not normalized. Prepending the marker as text then gives
+    the ids PyLate inserted. Returns the tokens registered."""
+    from tokenizers import AddedToken
+
+    added, vocab = set(tokenizer.added_tokens_encoder), tokenizer.get_vocab()
+    todo = []
+    for value in markers:
+        for token in (value, value.split(None, 1)[0] if value.split() else value):
+            if token not in added and token not in vocab:
+                continue
+            if tokenizer.tokenize(token) != [token]:
+                todo.append(AddedToken(token, normalized=False, special=True))
+            break
+    if todo:
+        tokenizer.add_special_tokens({"additional_special_tokens": todo})
+    return [t.content for t in todo]
 
 
 def read_sparse(model_dir):
@@ -211,7 +329,11 @@ def write_multi_vector_files(out_dir, settings, hidden_size, dim):
     """Write the sentence-transformers MultiVectorEncoder files of a --head multi-vector export, in the
     layout MultiVectorEncoder 6.3 saves for a fresh model: Transformer (token_embeddings, per-task
     lengths query_length / document_length), 1_Dense (the projection: its weights are written by the
-    export), 2_MultiVectorMask (no skiplist), 3_Normalize; MaxSim similarity, the prefixes as prompts."""
+    export), 2_MultiVectorMask (the skiplist, on documents), 3_Normalize; MaxSim similarity, the prefixes
+    as prompts; query expansion (the fixed strategy, to the query max length) on the Transformer."""
+    expansion = settings.get("query_expansion")
+    expansion = {"strategy": "fixed", "attend": bool(expansion.get("attend")), "token": expansion.get("token"),
+                 "length": settings["query_max_length"]} if expansion else None
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Dense", "type": "sentence_transformers.base.modules.dense.Dense"},
                {"idx": 2, "name": "2", "path": "2_MultiVectorMask",
@@ -223,11 +345,13 @@ def write_multi_vector_files(out_dir, settings, hidden_size, dim):
                  "transformer_task": "feature-extraction",
                  "modality_config": {"text": {"method": "forward", "method_output_name": "last_hidden_state"}},
                  "module_output_name": "token_embeddings", "max_seq_length": settings["passage_max_length"],
-                 "query_length": settings["query_max_length"], "document_length": settings["passage_max_length"]},
+                 "query_length": settings["query_max_length"], "document_length": settings["passage_max_length"],
+                 **({"query_expansion": expansion} if expansion else {})},
              os.path.join("1_Dense", "config.json"): {"in_features": hidden_size, "out_features": dim, "bias": False,
                                                       "activation_function": "torch.nn.modules.linear.Identity",
                                                       **tokens},
-             os.path.join("2_MultiVectorMask", "config.json"): {"skiplist_words": [], "skiplist_tasks": ["document"],
+             os.path.join("2_MultiVectorMask", "config.json"): {"skiplist_words": list(settings.get("skiplist_words") or []),
+                                                               "skiplist_tasks": ["document"],
                                                                "keep_only_token_ids": None},
              os.path.join("3_Normalize", "config.json"): tokens,
              "config_sentence_transformers.json": {
@@ -245,7 +369,7 @@ def read_st_dense(model_dir):
         return None
     modules = _json(modules_path)
     kinds = [m.get("type", "").rsplit(".", 1)[-1] for m in modules]
-    if "Dense" not in kinds or "MultiVectorMask" in kinds:  # (a MultiVectorEncoder's Dense: read_multi_vector)
+    if "Dense" not in kinds or read_multi_vector(model_dir) is not None:  # (a token projection: read_multi_vector)
         return None
     i = kinds.index("Dense")
     config = _json(os.path.join(model_dir, modules[i].get("path", ""), "config.json"))
@@ -289,6 +413,10 @@ def resolve_biencoder_settings(model_dir, flags, defaults=KIT_DEFAULTS):
             out[k] = from_st[k] = st[k]
         else:
             out[k] = defaults.get(k, KIT_DEFAULTS[k])
+    for k in MAXSIM_KEYS if out["head"] == "multi-vector" else ():  # its tokenization: the same order
+        out[k] = next((v[k] for v in (flags, kit, st) if v.get(k) is not None), MAXSIM_DEFAULTS[k])
+        if k in st and k not in kit and flags.get(k) is None and st[k]:
+            from_st[k] = st[k]
     if out["include_prompt"] is False:  # the prefixes' tokens stay out of the pooling (collate.tokenize)
         from .collate import PooledWithout
 
@@ -297,7 +425,8 @@ def resolve_biencoder_settings(model_dir, flags, defaults=KIT_DEFAULTS):
     message = None
     if from_st:
         message = f"{model_dir}: read its sentence-transformers settings: " + ", ".join(
-            f"{k} {v!r}" for k, v in from_st.items()) + " (flags override them)"
+            f"{k} {v!r}" if not isinstance(v, list) else f"{k} ({len(v)}: {''.join(map(str, v))[:40]})"
+            for k, v in from_st.items()) + " (flags override them)"
     return out, message
 
 

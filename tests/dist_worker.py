@@ -13,6 +13,7 @@ import atexit
 import copy
 import json
 import os
+import string
 import sys
 
 import torch
@@ -24,7 +25,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from retrieval_kit import ckpt, data, dist, lora, loop, optim, precision  # noqa: E402
 from retrieval_kit.records import read_records  # noqa: E402
 from retrieval_kit.chunking import chunk_batch  # noqa: E402
-from retrieval_kit.collate import collate_biencoder, collate_rerank  # noqa: E402
+from retrieval_kit.collate import collate_biencoder, collate_rerank, maxsim_sides  # noqa: E402
 from retrieval_kit.losses import Flops, contrastive_loss, listwise_loss  # noqa: E402
 from retrieval_kit.models import (BiEncoder, CrossEncoder, LateInteraction, Splade, attach_multi_vector,  # noqa: E402
                                   load_encoder, load_reranker, load_sparse)
@@ -71,7 +72,8 @@ def bi_step(model, opt, tok, queries, groups, gather, label_offset, max_norm, us
             loss = loss + FLOPS(dist.gather_with_grad(out["q"]) if gather else out["q"], p_all)[0]
         return loss, None
     for m in range(accum):
-        qb, pb = collate_biencoder(tok, queries[m * per:(m + 1) * per], groups[m * per:(m + 1) * per], 16, 32)
+        qb, pb = collate_biencoder(tok, queries[m * per:(m + 1) * per], groups[m * per:(m + 1) * per], 16, 32,
+                                   sides=SIDES)
         loss, _ = fwd_bwd(model, {"q": chunk_batch(qb, grad_cache), "p": chunk_batch(pb, grad_cache)}, loss_fn, accum,
                           m == accum - 1)
         total += loss.item() / accum
@@ -95,6 +97,7 @@ FLOPS = Flops([1e-3, 5e-4], 0, None)  # --head sparse's regularizer at full weig
 
 
 WIDTHS = {"q": 16, "p": 32}  # the multi-vector widths: collate_biencoder's max lengths below
+SIDES = {}  # the multi-vector tokenization (collate.maxsim_sides): set for the ColBERT-style checks
 
 
 def reference_bi(enc0, tok, steps, max_norm, accum=1, world=2):
@@ -109,7 +112,7 @@ def reference_bi(enc0, tok, steps, max_norm, accum=1, world=2):
         total = 0.0
         for m in range(accum):
             idx = [r * per_rank + m * per + i for r in range(world) for i in range(per)]
-            qb, pb = collate_biencoder(tok, [queries[i] for i in idx], [groups[i] for i in idx], 16, 32)
+            qb, pb = collate_biencoder(tok, [queries[i] for i in idx], [groups[i] for i in idx], 16, 32, sides=SIDES)
             out = model(q=qb, p=pb)
             loss = contrastive_loss(out["q"], out["p"], N, TEMP, True)
             if isinstance(model, Splade):
@@ -234,6 +237,14 @@ def main():
     compare("multi_vector_fsdp2_vs_single", run_bi(ctx, mv0, tok, steps, "fsdp2"), ref_mv)
     compare("multi_vector_ddp_grad_cache", run_bi(ctx, mv0, tok, steps, "ddp", grad_cache=24), ref_mv)
     compare("multi_vector_control_no_gather", run_bi(ctx, mv0, tok, steps, "ddp", gather=False), ref_mv)
+    # ColBERT's tokenization: [MASK] query expansion (scored, not attended) and the passages' punctuation skiplist
+    SIDES.update(maxsim_sides(tok, {"head": "multi-vector", "query_expansion": {"attend": False},
+                                    "skiplist_words": list(string.punctuation)}))
+    ref_cb = reference_bi(mv0, tok, steps, 1.0)
+    compare("colbert_ddp_vs_single", run_bi(ctx, mv0, tok, steps, "ddp"), ref_cb)
+    compare("colbert_ddp_grad_cache", run_bi(ctx, mv0, tok, steps, "ddp", grad_cache=24), ref_cb)
+    results["colbert_vs_plain_maxsim"] = {"loss_diff": abs(ref_cb[1][0] - ref_mv[1][0])}  # the sides are used
+    SIDES.clear()
     # --head sparse: vocabulary-sized vectors gathered with their gradients, the FLOPS term over the global batch
     torch.manual_seed(0)
     sp0 = load_sparse(model_dir).eval()

@@ -218,19 +218,49 @@ def test_a_multi_vector_run_validates_retrieves_and_selects_and_its_export_is_an
 
 
 def test_a_multi_vector_dir_the_kit_cannot_reproduce_is_one_sentence(mv_export, tmp_path):
-    """A MultiVectorEncoder with a punctuation skiplist (PyLate's default) scores otherwise: refused."""
+    """A MultiVectorEncoder whose documents score only an allowlist of ids (ColPali's image patches)
+    scores otherwise: refused."""
     import shutil
 
     from conftest import python_run
 
-    bad = tmp_path / "skiplist"
+    bad = tmp_path / "allowlist"
     shutil.copytree(mv_export, bad)
     cfg = bad / "2_MultiVectorMask" / "config.json"
-    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "skiplist_words": [".", ","]}))
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "keep_only_token_ids": [5]}))
     out = python_run([os.path.join(ROOT, "train_biencoder.py"), "--model", bad, "--max-steps", 1,
                       "--output-dir", tmp_path / "run"])
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert "skiplist_words" in out.stderr and "modules.json" in out.stderr
+    assert "keep_only_token_ids" in out.stderr and "modules.json" in out.stderr
+
+
+def test_distillation_adds_the_kl_of_maxsim_scores_to_the_teachers():
+    """--distill-weight with token vectors: the loss gains weight x KL(teacher || MaxSim of each query's
+    own group), computed by hand from the loop's MaxSim."""
+    from retrieval_kit.losses import biencoder_loss
+    from tests.test_distill import kl_by_hand
+
+    gen = torch.Generator().manual_seed(3)
+    q, p = token_batch(3, 5, 4, gen), token_batch(6, 7, 4, gen)
+    teacher = torch.tensor([[3.0, 1.0], [float("nan"), 2.0], [0.5, 2.5]])
+    plain, _, _ = biencoder_loss({"q": q, "p": p}, n_passages=2, temperature=0.5)
+    with_kl, _, _ = biencoder_loss({"q": q, "p": p}, n_passages=2, temperature=0.5, distill_weight=0.3,
+                                   teacher=teacher, teacher_temperature=2.0)
+    ref = naive_maxsim(q, p)
+    own = [[float(ref[i, 2 * i]), float(ref[i, 2 * i + 1])] for i in range(3)]
+    assert float(with_kl - plain) == pytest.approx(0.3 * kl_by_hand(own, teacher.tolist(), 0.5, 2.0), rel=1e-5)
+
+
+def test_score_rates_pairs_with_a_multi_vector_export_by_maxsim(mv_export, tmp_path):
+    """python -m retrieval_kit.score's Scorer on a multi-vector export: each pair's MaxSim of the kit's
+    token vectors (not a pooled dot product)."""
+    from retrieval_kit.score import Scorer
+
+    queries, passages = ["list files", "list files", "compress data"], ["ls lists files", "tar", "zstd is fast"]
+    got = Scorer(mv_export, "cpu", 8).score(queries, passages)
+    q, p = kit_tokens(mv_export, queries, 16, "query"), kit_tokens(mv_export, passages, 32)
+    want = [float(naive_maxsim(q[i:i + 1], p[i:i + 1])[0, 0]) for i in range(3)]
+    assert got == pytest.approx(want, abs=1e-4)
 
 
 def test_maxsim_under_autograd_keeps_no_block_of_similarities():
