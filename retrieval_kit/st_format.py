@@ -30,8 +30,14 @@ DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # the names encode_documen
 
 
 def _json(path):
-    with open(path) as f:
-        return json.load(f)
+    """A model dir's JSON file; one sentence naming it when it is missing or not JSON (a damaged dir)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise SystemExit(f"{path}: cannot read it ({e.strerror or e}); copy the model dir whole again")
+    except ValueError as e:
+        raise SystemExit(f"{path}: not valid JSON ({e}); copy the model dir whole again")
 
 
 def _pooling_mode(config, path):

@@ -207,6 +207,12 @@ def test_colbert_flags_on_another_head_or_a_layout_the_kit_lacks_are_one_sentenc
                       "--output-dir", tmp_path / "b"])
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "'min'" in out.stderr and "modules.json" in out.stderr
+    damaged = pylate_dir(tiny_model_dir, tmp_path / "damaged")  # a copy that lost its projection's config
+    os.remove(os.path.join(damaged, "1_Dense", "config.json"))
+    out = python_run([os.path.join(ROOT, "train_biencoder.py"), "--model", damaged, "--max-steps", 1,
+                      "--output-dir", tmp_path / "c"])
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "1_Dense/config.json: cannot read it" in out.stderr
 
 
 def test_expansion_columns_survive_length_chunks():
