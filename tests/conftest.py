@@ -189,8 +189,7 @@ WORDS = ("the a of to and in is for with on by it this that package library tool
          "python server client manager graphical user interface command line documentation").split()
 
 
-@pytest.fixture(scope="session")
-def decoder_tokenizer():
+def make_decoder_tokenizer():
     """A small word-level tokenizer with BOS/EOS and no pad token, like many decoder checkpoints."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -203,19 +202,30 @@ def decoder_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
-@pytest.fixture(scope="session")
-def tiny_decoder_dir(tmp_path_factory, decoder_tokenizer):
-    """A tiny random Llama (2 layers) saved with a tokenizer that has no pad token."""
+def build_tiny_decoder(out, tokenizer=None):
+    """A tiny random Llama (2 layers) saved in `out` with a tokenizer that has no pad token; returns `out`."""
     from transformers import LlamaConfig, LlamaModel
 
-    out = tmp_path_factory.mktemp("tiny_llama")
+    tokenizer = tokenizer or make_decoder_tokenizer()
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(decoder_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     LlamaModel(cfg).save_pretrained(out)
-    decoder_tokenizer.save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def decoder_tokenizer():
+    """A small word-level tokenizer with BOS/EOS and no pad token, like many decoder checkpoints."""
+    return make_decoder_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_decoder_dir(tmp_path_factory, decoder_tokenizer):
+    """A tiny random Llama (2 layers) saved with a tokenizer that has no pad token."""
+    return build_tiny_decoder(tmp_path_factory.mktemp("tiny_llama"), decoder_tokenizer)
 
 
 def check_grad_cache_run(script, args, out_dir):

@@ -28,8 +28,9 @@ def recordings():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,workers", RUNS)
-def test_golden_run(name, workers, recordings, tiny_model_dir, small_train_file, tmp_path):
-    got = run_config(name, tiny_model_dir, small_train_file, str(tmp_path / "run"), ["--num-workers", workers])
+def test_golden_run(name, workers, recordings, tiny_model_dir, tiny_decoder_dir, small_train_file, tmp_path):
+    got = run_config(name, tiny_model_dir, small_train_file, str(tmp_path / "run"), ["--num-workers", workers],
+                     decoder_dir=tiny_decoder_dir)
     problems = check(recordings, fingerprint(), got, name)
     assert not problems, describe(recordings, fingerprint()) + "\n" + "\n".join(problems)
 
