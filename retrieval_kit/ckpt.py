@@ -415,9 +415,15 @@ def release_lock(run_dir=None):
         f.close()
 
 
-def _decide(run_dir, resume, overwrite, allow_changed, run_args, neutral, world):
+def _decide(run_dir, resume, overwrite, allow_changed, run_args, neutral, world, inputs=()):
     """Rank 0's decision for start_run: (resume dir or None, error message or None); holds the run
     folder's lock from here on (released when the decision is a refusal)."""
+    from .outputs import check_inputs
+
+    try:  # the run folder is never an input, nor inside an input folder (a model dir)
+        check_inputs("--output-dir", run_dir, inputs)
+    except SystemExit as e:
+        return None, str(e)
     try:
         os.makedirs(run_dir, exist_ok=True)
         probe = os.path.join(run_dir, ".write_test")
@@ -429,13 +435,16 @@ def _decide(run_dir, resume, overwrite, allow_changed, run_args, neutral, world)
     refused = acquire_lock(run_dir)
     if refused:
         return None, refused
-    resume_dir, error = _decide_resume(run_dir, resume, overwrite, allow_changed, run_args, neutral, world)
+    resume_dir, error = _decide_resume(run_dir, resume, overwrite, allow_changed, run_args, neutral, world, inputs)
     if error:
         release_lock(run_dir)
     return resume_dir, error
 
 
-def _decide_resume(run_dir, resume, overwrite, allow_changed, run_args, neutral, world):
+def _decide_resume(run_dir, resume, overwrite, allow_changed, run_args, neutral, world, inputs=()):
+    from .outputs import check_inputs, is_own
+    from .st_format import SETTINGS_FILE
+
     used = _used(run_dir)
     if resume in (None, "", "none"):
         if not used:
@@ -444,6 +453,15 @@ def _decide_resume(run_dir, resume, overwrite, allow_changed, run_args, neutral,
             shown = ", ".join(used[:4]) + (", ..." if len(used) > 4 else "")
             return None, (f"--output-dir {run_dir} already holds a run ({shown}): continue it with --resume auto, "
                           "or start over with --overwrite-output-dir (deletes it)")
+        for d in used:  # what would be deleted: never an input of this run, never a folder the kit did not write
+            try:
+                check_inputs("--overwrite-output-dir", os.path.join(run_dir, d), inputs, is_dir=True)
+            except SystemExit as e:
+                return None, f"{e}; it would be deleted"
+        final = os.path.join(run_dir, "final")
+        if os.path.isdir(final) and not is_own(final, SETTINGS_FILE):
+            return None, (f"--overwrite-output-dir: {final} holds files the kit did not write (no {SETTINGS_FILE}): "
+                          "not deleted; move it away")
         for d in used + ["run_header.json", "tb"]:
             p = os.path.join(run_dir, d)
             if os.path.isdir(p):
@@ -484,14 +502,16 @@ def resume_note():
             if newest else "no checkpoint was written yet: start the run again")
 
 
-def start_run(run_dir, resume, run_args, neutral=frozenset(), overwrite=False, allow_changed=False):
+def start_run(run_dir, resume, run_args, neutral=frozenset(), overwrite=False, allow_changed=False, inputs=()):
     """Before anything is loaded: decide, once on rank 0 and shared with every rank, where this run
     starts. A folder that already holds a run is refused without `resume` (or cleared with
     `overwrite`, --overwrite-output-dir); resume "auto" takes the newest checkpoint that verifies,
     and a resume whose run-defining args (`run_args`, a dict; all but the `neutral` names) differ
     from the checkpoint's stops with the list (or goes on with `allow_changed`,
-    --allow-changed-args). Returns the checkpoint folder or None; a refusal exits with its message."""
-    decision = [_decide(run_dir, resume, overwrite, allow_changed, run_args, neutral, world_size())
+    --allow-changed-args). The run folder is never one of the run's `inputs` ([(flag, path)]: its model
+    dir, data files) nor inside an input folder, and --overwrite-output-dir deletes no input (outputs.check_inputs).
+    Returns the checkpoint folder or None; a refusal exits with its message."""
+    decision = [_decide(run_dir, resume, overwrite, allow_changed, run_args, neutral, world_size(), inputs)
                 if rank() == 0 else None]
     if world_size() > 1:
         tdist.broadcast_object_list(decision, src=0)

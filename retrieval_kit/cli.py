@@ -465,10 +465,17 @@ def add_ckpt_args(parser, output_dir):
     return g
 
 
+def run_inputs(args):
+    """[(flag, path)] of what a training run reads: the run folder is none of them (outputs.check_inputs)."""
+    return [("--model", args.model), *[("--train-file", f) for f in args.train_file], ("--train-mix", args.train_mix),
+            ("--val-file", args.val_file), ("--corpus", args.corpus),
+            ("--eval-beir", getattr(args, "eval_beir", None)), ("--dev-biencoder", getattr(args, "dev_biencoder", None))]
+
+
 def resume_request(args):
     """The checkpoint flags ckpt.start_run takes."""
     return dict(run_dir=args.output_dir, resume=args.resume, overwrite=args.overwrite_output_dir,
-                allow_changed=args.allow_changed_args)
+                allow_changed=args.allow_changed_args, inputs=run_inputs(args))
 
 
 # ----- the parsers, and what is decided from several flags ---------------------------------------
@@ -661,6 +668,9 @@ def parse(parser, argv=None):
         for name in ("lora_alpha", "export_adapter"):
             if getattr(args, name):
                 raise SystemExit(f"--{name.replace('_', '-')}: only with --lora-rank (LoRA is off)")
+    from .outputs import check_inputs
+
+    check_inputs("--output-dir", args.output_dir, run_inputs(args))  # before anything loads (ckpt.start_run again)
     return args
 
 

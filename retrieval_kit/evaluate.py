@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from . import cli, dist, flags, precision
+from . import cli, dist, flags, outputs, precision
 from .collate import maxsim_sides
 from .data import shard
 from .formats import read_corpus, read_qrels, read_queries
@@ -264,6 +264,19 @@ class RerankDev:
         return self.best
 
 
+METRICS_KEYS = ("model", "reranker", "biencoder")  # what every --output file of this tool holds
+
+
+def is_metrics_file(path):
+    """Is `path` a metrics file evaluate wrote (its --output: JSON holding METRICS_KEYS)?"""
+    try:
+        with open(path, encoding="utf-8") as f:
+            got = json.load(f)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(got, dict) and all(k in got for k in METRICS_KEYS)
+
+
 def main(argv=None):
     ap = cli.KitParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="bi-encoder dir (default: the bundled all-MiniLM-L6-v2)")
@@ -287,11 +300,12 @@ def main(argv=None):
     ap.add_argument("--output", default=None, help="write the metrics as JSON here")
     precision.add_inference_dtype(ap)
     args = ap.parse_args(argv)
-    if args.output:
-        flags.check_writable_file("--output", args.output)
     for flag, path in (("--beir", args.beir), ("--model", args.model), ("--reranker", args.reranker)):
         if path is not None and not os.path.isdir(path):  # before any corpus is encoded
             ap.error(f"{flag} {path}: no such folder")
+    if args.output:  # never over an input, nor any file but a metrics file this tool wrote
+        outputs.check_file("--output", args.output, [("--beir", args.beir), ("--model", args.model),
+                                                     ("--reranker", args.reranker)], own=is_metrics_file)
 
     ctx = dist.init()
     beir = load_beir(args.beir, args.split)

@@ -26,7 +26,6 @@ The export checks its own tokenizer after writing it and records the outcome in 
 
 import json
 import os
-import shutil
 
 import torch
 from safetensors.torch import save_file
@@ -35,6 +34,7 @@ from .ckpt import full_state_dict
 from .collate import PAIR, TemplateLayout, pair_layout, pair_post_processor
 from .dist import barrier, rank, unwrap
 from .flags import writing
+from .outputs import publish, stage as make_stage, staging
 from .lora import merged_state_dict, widest_dtype, write_adapter
 from .st_format import SETTINGS_FILE, load_settings, write_multi_vector_files, write_sparse_files, write_st_files
 
@@ -67,8 +67,7 @@ def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None):
     trained = [n for n, p in unwrap(model).named_parameters() if p.requires_grad]
     stage = staging(out_dir)
     if rank() == 0:
-        shutil.rmtree(stage, ignore_errors=True)
-        os.makedirs(stage)
+        make_stage(out_dir, "the export")  # (a leftover of the kit's own is cleared; anything else refused)
         if lora:  # the merged model for every loader; with --export-adapter also peft's adapter dir
             if lora["adapter"]:
                 write_adapter(os.path.join(stage, "adapter"), weights, lora, lora["base_model"], trained)
@@ -146,15 +145,10 @@ def model_card(kind, base_model, train_files, steps, loss, metrics, command=None
     return "\n".join(lines)
 
 
-def staging(out_dir):
-    return os.path.normpath(out_dir) + ".partial"
-
-
 def publish_dir(out_dir):
-    """Rank 0: replace out_dir by its finished staging dir."""
+    """Rank 0: replace out_dir (the kit's own export, if there: outputs.publish) by its finished staging dir."""
     if rank() == 0:
-        shutil.rmtree(out_dir, ignore_errors=True)
-        os.replace(staging(out_dir), out_dir)
+        publish(out_dir, SETTINGS_FILE, "the export")
 
 
 def kit_only_reasons(pooling, bidirectional, head="classifier"):

