@@ -5,7 +5,10 @@ copy of the pages.
 
 An entry is a folder of raw arrays and a meta.json that says what each is (dtype, length, a digest of
 sampled blocks) and what it was built from: the source file's size and a hash of all its bytes, plus
-what else the parse depended on (the corpus a training file's ids refer to). An entry that
+what else the parse depended on (the corpus a training file's ids refer to). Beside that hash it keeps
+the source's device, inode, size, mtime and ctime when hashed (stat_key): while they are unchanged a
+load trusts the recorded hash and reads no byte of the source (O(1) in its size); any change (a
+write, a touch, a restored mtime - which moves the ctime -, a copy, a move) hashes it again. An entry that
 no longer matches its source is stale; one whose meta or arrays do not match what meta says is
 damaged; either is rebuilt with a warning, never used. An entry is written under a temporary name and
 renamed into place when complete, so a kill during the build leaves nothing that looks complete.
@@ -35,8 +38,20 @@ def warn(message):
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-_digests = {}  # (path, inode, size, ctime) -> content digest: a file is hashed once per process (any write, and
-# a restored mtime too, moves the ctime, which no user call sets back)
+_digests = {}  # stat_key -> content digest: a file is hashed at most once per process while it is unchanged
+
+
+def stat_key(path):
+    """What says a file is unchanged since it was hashed: its device, inode, size, mtime and ctime (ns).
+    Any write moves the mtime and the ctime; a user can set the mtime back (touch -d, os.utime), not the
+    ctime, which every change of the inode (a write, a utime, a rename) sets to now; a copy is another inode."""
+    st = os.stat(path)
+    return {"path": os.path.abspath(path), "dev": st.st_dev, "ino": st.st_ino, "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
+def _memo(stat):
+    return tuple(stat[k] for k in ("path", "dev", "ino", "size", "mtime_ns", "ctime_ns"))
 
 
 def file_digest(path, block=1 << 22):
@@ -51,12 +66,28 @@ def file_digest(path, block=1 << 22):
 def fingerprint(path):
     """What a cache entry is keyed by: the source's size and a blake2b of all its bytes (file_digest),
     so any edit - mid-file, same size, mtime restored - makes the entry stale, and touching a file
-    does not. Hashing is the price of a warm load: 0.87 s for 580 MB here (docs/benchmarks.md)."""
-    st = os.stat(path)
-    memo = (os.path.abspath(path), st.st_ino, st.st_size, st.st_ctime_ns)
+    does not. The bytes are hashed only when the file's stat_key is one this process has not seen
+    hashed, nor an entry recorded beside its digest (cached, remember): a warm load reads no byte of
+    the source (docs/benchmarks.md)."""
+    before = stat_key(path)
+    memo = _memo(before)
     if memo not in _digests:
-        _digests[memo] = file_digest(path)
-    return {"size": st.st_size, "content": _digests[memo]}
+        content = file_digest(path)
+        if _memo(stat_key(path)) == memo:  # (a file written while it was hashed: not remembered)
+            _digests[memo] = content
+        return {"size": before["size"], "content": content}
+    return {"size": before["size"], "content": _digests[memo]}
+
+
+def remember(stat, source):
+    """Take an entry's record that the file with `stat` (stat_key) hashed to `source` (fingerprint) as
+    this process's own hashing of it, when the file's stat is still that."""
+    if isinstance(stat, dict) and isinstance(source, dict) and "content" in source:
+        try:
+            if stat == stat_key(stat["path"]) and source.get("size") == stat["size"]:
+                _digests[_memo(stat)] = source["content"]
+        except (OSError, KeyError, TypeError):
+            pass
 
 
 def entry_path(path, where):
@@ -89,13 +120,14 @@ def _map(entry, name, dtype, length):
     return np.memmap(path, dtype=dtype, mode="r", shape=(length,))
 
 
-def write(entry, arrays, info, key):
+def write(entry, arrays, info, key, stat=None):
     """Write an entry: `arrays` {name: 1-d numpy array}, `info` (JSON) and `key` (what it was built
-    from), under a temporary name renamed into place when complete."""
+    from; `stat`: the source's stat_key when key["source"] was taken), under a temporary name renamed
+    into place when complete."""
     tmp = f"{entry}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    meta = {"version": VERSION, "key": key, "info": info, "arrays": {}}
+    meta = {"version": VERSION, "key": key, "stat": stat, "info": info, "arrays": {}}
     try:
         for name, a in arrays.items():
             a = np.ascontiguousarray(a).reshape(-1)
@@ -116,6 +148,33 @@ def write(entry, arrays, info, key):
         os.rename(entry, old)  # a run still mapping the old entry keeps its pages
     os.rename(tmp, entry)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def peek(entry):
+    """An entry's meta.json, or None (missing or unreadable)."""
+    try:
+        with open(os.path.join(entry, "meta.json")) as f:
+            meta = json.load(f)
+        return meta if isinstance(meta, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def restamp(entry, stat):
+    """Record `stat` as the source's in the entry (its content was hashed again and still matches: a
+    touch, a restored mtime), so the next warm load need not hash it; written whole or not at all."""
+    meta = peek(entry)
+    if meta is None:
+        return
+    meta["stat"] = stat
+    tmp = os.path.join(entry, f"meta.json.tmp{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(meta, f)
+        os.replace(tmp, os.path.join(entry, "meta.json"))
+    except OSError:  # (a read-only cache still serves; it hashes again next time)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
 
 
 def read(entry, key):
@@ -173,18 +232,24 @@ def cached(path, where, key, build, what):
     entry = entry_path(path, where) if os.path.isfile(path) else None  # (a missing file: the parser says so)
     if entry is None:
         return (*build(), None)
-    key, built = {"source": fingerprint(path), **key}, None
+    built = None
     try:
         with _lock(entry):
+            meta = peek(entry) or {}
+            remember(meta.get("stat"), (meta.get("key") or {}).get("source"))  # unchanged since: not hashed again
+            stat = stat_key(path)
+            key = {"source": fingerprint(path), **key}
             arrays, info = read(entry, key)
             if arrays is not None:
+                if meta.get("stat") != stat and _memo(stat) in _digests:  # hashed again, and it matched
+                    restamp(entry, stat)
                 return arrays, info, "hit"
             why = info
             if why:
                 warn(f"the data cache {entry} of {what} is {why}; rebuilding it")
             _clear_leftovers(entry)
             built = build()
-            write(entry, *built, key)
+            write(entry, *built, key, stat if _memo(stat) in _digests else None)
             arrays, info = read(entry, key)
             if arrays is None:
                 raise OSError(f"the entry just written does not read back ({info})")

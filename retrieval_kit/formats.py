@@ -436,7 +436,7 @@ def read_corpus(path, cache=None):
 
     def build():
         built.append(_parse_corpus(path))
-        return built[0].to_arrays(), {"digest": file_digest(path)}
+        return built[0].to_arrays(), {"digest": datacache.fingerprint(path)["content"]}  # (hashed once)
     arrays, info, state = datacache.cached(path, cache, {"what": "corpus"}, build, path)
     if state is None:
         return built[0]

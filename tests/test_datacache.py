@@ -255,3 +255,58 @@ def test_a_missing_file_is_the_parsers_message(tmp_path):
         read_records(str(tmp_path / "no_such.jsonl"), 3, cache=str(tmp_path / "cache"))
     with pytest.raises(formats.DataError, match="no_corpus.jsonl"):
         formats.read_corpus(str(tmp_path / "no_corpus.jsonl"), "auto")
+
+
+def hashing_counted(monkeypatch):
+    """Forget this process's hashes (as a new process starts) and count the files hashed from here on."""
+    hashed = []
+    real = datacache.file_digest
+
+    def counted(path, *a, **k):
+        hashed.append(os.path.basename(path))
+        return real(path, *a, **k)
+    monkeypatch.setattr(datacache, "_digests", {})
+    monkeypatch.setattr(datacache, "file_digest", counted)
+    return hashed
+
+
+def test_a_warm_load_hashes_nothing_until_the_source_changes_and_an_edit_behind_a_restored_mtime_is_caught(
+        tmp_path, monkeypatch):
+    """Issue 49: a warm load reads no byte of its source while the source's device, inode, size, mtime and
+    ctime are those recorded beside its hash; a touch is hashed again once (and recorded), a same-size edit
+    with its mtime set back, a copy and a move are hashed again and the edit rebuilds the entry."""
+    corpus, by_id, inline = write_data(tmp_path / "data")
+    cache = str(tmp_path / "cache")
+    plain = read_both(corpus, by_id, inline, None)
+    assert read_both(corpus, by_id, inline, cache) == plain  # built: each file hashed once
+    hashed = hashing_counted(monkeypatch)
+    assert read_both(corpus, by_id, inline, cache) == plain and hashed == []  # warm: no byte of a source read
+    os.utime(inline)  # touch: the content is hashed again, matches, and the new stat is recorded
+    assert read_both(corpus, by_id, inline, cache) == plain and hashed == ["inline.jsonl"]
+    hashed = hashing_counted(monkeypatch)
+    assert read_both(corpus, by_id, inline, cache) == plain and hashed == []
+
+    st = os.stat(inline)  # the same size, an edit in the middle, the mtime set back: the ctime still moved
+    with open(inline, "r+b") as f:
+        f.seek(st.st_size // 2)
+        byte = f.read(1)
+        f.seek(st.st_size // 2)
+        f.write(b"7" if byte != b"7" else b"8")
+    os.utime(inline, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(inline).st_mtime_ns == st.st_mtime_ns and os.stat(inline).st_size == st.st_size
+    edited = read_records(inline, 3)[0]
+    hashed = hashing_counted(monkeypatch)
+    got = read_records(inline, 3, cache=cache)[0]
+    assert hashed == ["inline.jsonl"] and view(got) == view(edited) and view(got) != plain[6]
+
+    copy = str(tmp_path / "copy.jsonl")  # a copy put in its place (another inode, mtime kept): hashed again
+    import shutil
+    shutil.copy2(by_id, copy)
+    os.replace(copy, by_id)
+    hashed = hashing_counted(monkeypatch)
+    assert read_both(corpus, by_id, inline, cache)[3] == plain[3] and "by_id.jsonl" in hashed
+    moved = str(tmp_path / "moved.jsonl")  # moved away and back: the ctime moved, hashed again
+    os.rename(by_id, moved)
+    os.rename(moved, by_id)
+    hashed = hashing_counted(monkeypatch)
+    assert read_both(corpus, by_id, inline, cache)[3] == plain[3] and "by_id.jsonl" in hashed
