@@ -17,15 +17,16 @@ import os
 
 import torch
 
-from retrieval_kit import ckpt, cli, data, dist, dropout, evaluate, log, loop, lora, optim, plan, precision, records
+from retrieval_kit import (ckpt, cli, data, dist, dropout, evaluate, heads, log, loop, lora, optim, plan, precision,
+                           records)
 from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, TEMPLATE_PRESETS, pair_layout, rerank_inputs
 from retrieval_kit.export import export_reranker, model_card, warn_kit_only
 from retrieval_kit.formats import exit_on_data_error
 from retrieval_kit.losses import RERANK_LOSSES, reranker_loss
 from retrieval_kit.metrics import WindowedAverage
-from retrieval_kit.models import (CrossEncoder, check_max_lengths, default_model_dir, fresh_head_params, is_decoder_only,
-                                  lm_token_ids, load_lm_reranker, load_once, load_reranker, load_tokenizer,
+from retrieval_kit.models import (check_max_lengths, default_model_dir, is_decoder_only, load_once, load_tokenizer,
                                   make_bidirectional, setup_pad_token)
+from retrieval_kit.st_format import read_spec
 
 
 def parse_args(argv=None):
@@ -40,9 +41,8 @@ def tokenization_settings(args, tokenizer, template):
 
 
 def set_padding_side(tokenizer, padding_side, head):
-    """--padding-side; auto: the tokenizer's own, but left under an LM head (it scores after the last token)."""
-    if padding_side != "auto" or head == "lm":
-        tokenizer.padding_side = "left" if padding_side == "auto" else padding_side
+    """--padding-side; auto: the tokenizer's own, or the head's (lm: left, it scores after the last token)."""
+    tokenizer.padding_side = head.padding_side(padding_side) or tokenizer.padding_side
     return tokenizer
 
 
@@ -116,12 +116,12 @@ def main():
     # ----- model in the storage dtype, how pairs become tokens; resume, part 1: weights -> cast ---
     storage_dtype, compute_dtype, autocast_dtype = cli.precision_dtypes(args)  # precision.resolve
     model_dir = args.model or default_model_dir()
-    tokenizer = set_padding_side(load_tokenizer(model_dir, args.trust_remote_code), args.padding_side, args.head)
+    head = heads.get(args.head)  # heads/classifier.py (a one-logit head), heads/lm.py (logit(yes) - logit(no))
+    heads.check_dir(read_spec(model_dir), head.NAME)  # a dir of another kind (a multi-vector export): one sentence
+    tokenizer = set_padding_side(load_tokenizer(model_dir, args.trust_remote_code), args.padding_side, head)
     net, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
-        functools.partial(load_lm_reranker if args.head == "lm" else load_reranker, model_dir, storage_dtype,
-                          args.trust_remote_code, args.attn_implementation, **cli.load_settings(args)),
-        args.parallel == "fsdp2", ctx)
-    lm_ids = lm_token_ids(tokenizer, args.lm_tokens) if args.head == "lm" else None  # [true, false] vocab rows
+        functools.partial(head.load, model_dir, storage_dtype, **cli.load_settings(args)), args.parallel == "fsdp2", ctx)
+    lm_ids = head.token_ids(tokenizer, args.lm_tokens)  # lm: the [true, false] vocabulary rows the score reads
     setup_pad_token(tokenizer, net)
     if args.bidirectional:
         make_bidirectional(net)
@@ -129,20 +129,19 @@ def main():
     layout = run_layout(tokenizer, template, args.append_eos, args.rerank_max_length, net.config,  # every pair's ids
                         args.pad_to_multiple_of)
     layouts = {f.name: file_layout(tokenizer, f, net.config, layout, args.append_eos) for f in files}  # --train-mix
-    warn_kit_only(args.pooling, args.bidirectional, args.head)  # what the stock loaders would score otherwise
-    lora_info = lora.apply_each((net, source), train=fresh_head_params if args.head == "classifier" else None,
-                                **cli.lora_settings(args, model_dir, storage_dtype))  # None without --lora-rank
+    warn_kit_only(head, args.pooling, args.bidirectional)  # what the stock loaders would score otherwise
+    lora_info = lora.apply_each((net, source), train=head.lora_trained, **cli.lora_settings(args, model_dir, storage_dtype))
     torch.manual_seed(args.seed + ctx.rank)  # from here on (dropout) each rank draws its own numbers
     resume_dir = ckpt.start_run(**cli.resume_request(args), run_args=vars(args), neutral=cli.run_neutral())
     ckpt.restore_model(source, resume_dir, storage_dtype)  # a resume: weights (rank 0's under FSDP2) -> cast
 
     # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------
-    model, eval_model = dist.wrap(CrossEncoder(net, args.pooling, lm_ids), net, ctx,
+    model, eval_model = dist.wrap(head.scorer(net, args.pooling, lm_ids), net, ctx,
                                   mp_policy=precision.mp_policy(compute_dtype), source=source, **cli.wrap_settings(args))
 
     # ----- optimizer, schedule; resume, part 2: optimizer -> scheduler -> loop state ------------
-    fresh = fresh_head_params(net) if args.head == "classifier" else []  # an LM head is trained, not fresh
-    groups = optim.scale_lr(optim.param_groups(net, args.weight_decay), fresh, args.lr, args.head_lr_mult)
+    groups = optim.scale_lr(optim.param_groups(net, args.weight_decay), head.fresh_params(net), args.lr,
+                            args.head_lr_mult)  # a fresh classifier head's LR x --head-lr-mult; an LM head: none
     optimizer = optim.build_optimizer(groups, args.lr, (args.adam_beta1, args.adam_beta2), args.adam_eps)
     scheduler = optim.build_scheduler(optimizer, args.warmup_steps, args.max_steps, args.lr_schedule)
     state = loop.LoopState(loss_avg=WindowedAverage(args.loss_avg_window))
@@ -214,8 +213,9 @@ def main():
     final = os.path.join(args.output_dir, "final")
     selected = ckpt.load_best(net, args.output_dir, state.best, state.step, model)  # --select-best: its weights
     fusion = dev and dev.choose(eval_model, tokenizer, tok_settings, ctx.device)  # on them
-    export_reranker(final, net, tokenizer, {"kind": "reranker", "pooling": args.pooling, "bidirectional": args.bidirectional,
-                                            "loss": args.loss, "head": args.head, "lm_token_ids": lm_ids,
+    export_reranker(final, net, tokenizer, {"kind": "reranker", "pooling": args.pooling or "native",  # (lm: unused)
+                                            "bidirectional": args.bidirectional,
+                                            "loss": args.loss, "head": head.NAME, "lm_token_ids": lm_ids,
                                             "selected": selected, "fusion": fusion, **tok_settings}, args.trust_remote_code,
                     card=model_card("reranker", model_dir, args.train_mixture, state.step, cli.loss_summary(args),
                                     logger.last), seq_cls=args.export_seq_cls)  # --export-seq-cls: also final/seq_cls

@@ -48,7 +48,8 @@ from retrieval_kit.collate import TEMPLATE_PRESETS, pair_layout, rerank_inputs  
 from retrieval_kit.export import reranker_chat_template  # noqa: E402
 from retrieval_kit.hostmem import keep_freed_memory  # noqa: E402
 from retrieval_kit.losses import RERANK_LOSSES, reranker_loss  # noqa: E402
-from retrieval_kit.models import CrossEncoder, lm_token_ids, load_lm_reranker, setup_pad_token  # noqa: E402
+from retrieval_kit.heads import lm  # noqa: E402
+from retrieval_kit.models import setup_pad_token  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANK, ALPHA, LR = 16, 32, 2e-4
@@ -72,12 +73,12 @@ def autocast_dtype(args):
 def make_kit(model_dir, args, tok):
     """train_reranker.py --head lm --prompt-template qwen3 --lora-rank 16's step: step(queries, groups) ->
     the real token count of its pairs."""
-    net = load_lm_reranker(model_dir).train()
+    net = lm.load(model_dir).train()
     setup_pad_token(tok, net)
     layout = pair_layout(tok, TEMPLATE_PRESETS["qwen3"])
     lora.apply_lora(net, RANK, ALPHA, args.lora_dropout, TARGETS)
     ctx = dist.init()
-    model, _ = dist.wrap(CrossEncoder(net, "native", lm_token_ids(tok, ("yes", "no"))), net, ctx)
+    model, _ = dist.wrap(lm.LMScore(net, lm.token_ids(tok, ("yes", "no"))), net, ctx)
     opt = optim.build_optimizer(optim.param_groups(net, 0.01), LR)
     sched = optim.build_scheduler(opt, 0, 1000, "constant")
     state = loop.LoopState()
@@ -115,7 +116,7 @@ def make_bare(model_dir, args, tok):
                          LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=args.lora_dropout,
                                                                  target_modules=list(TARGETS)))
     net.train()
-    yes, no = lm_token_ids(tok, ("yes", "no"))
+    yes, no = lm.token_ids(tok, ("yes", "no"))
     trained = [p for p in net.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=LR, weight_decay=0.01, fused=True)
 
@@ -231,7 +232,7 @@ def main():
                 mem[side] = block
     from transformers import AutoConfig
 
-    net = load_lm_reranker(args.model)
+    net = lm.load(args.model)
     lora.apply_lora(net, RANK, ALPHA, args.lora_dropout, TARGETS)
     flops = statistics.median(tokens) * log.flops_per_token(net) if tokens else float("nan")
     peak = matmul_peak(AutoConfig.from_pretrained(args.model),

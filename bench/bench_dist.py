@@ -31,7 +31,8 @@ from retrieval_kit import data, dist  # noqa: E402
 from retrieval_kit.records import read_records  # noqa: E402
 from retrieval_kit.collate import collate_biencoder  # noqa: E402
 from retrieval_kit.losses import contrastive_loss  # noqa: E402
-from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder  # noqa: E402
+from retrieval_kit.heads.single_vector import BiEncoder  # noqa: E402
+from retrieval_kit.models import default_model_dir, load_encoder  # noqa: E402
 
 
 def bench_clip(reps):

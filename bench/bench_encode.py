@@ -37,7 +37,9 @@ from retrieval_kit import precision  # noqa: E402
 from retrieval_kit.collate import PAIR, collate_rerank, pair_layout  # noqa: E402
 from retrieval_kit.encode import encode_texts, score_pairs  # noqa: E402
 from retrieval_kit.export import export_reranker, load_exported_reranker  # noqa: E402
-from retrieval_kit.models import default_model_dir, load_encoder, load_reranker  # noqa: E402
+from retrieval_kit.heads.classifier import load as load_reranker  # noqa: E402
+from retrieval_kit.heads.single_vector import BiEncoder  # noqa: E402
+from retrieval_kit.models import default_model_dir, load_encoder  # noqa: E402
 
 
 @torch.no_grad()
@@ -107,9 +109,10 @@ def main():
     res = timed({"plain loop (file order)": lambda: plain(model, tok, texts, args.max_length, args.batch_size),
                  "sentence-transformers": lambda: torch.from_numpy(st.encode(
                      texts, batch_size=args.batch_size, normalize_embeddings=True)),
-                 "kit encode_texts": lambda: encode_texts(model, tok, texts, args.max_length,
+                 "kit encode_texts": lambda: encode_texts(BiEncoder(model), tok, texts, args.max_length,
                                                           batch_size=args.batch_size),
-                 **bf16_side("kit encode_texts", args, model, lambda m: encode_texts(m, tok, texts, args.max_length,
+                 **bf16_side("kit encode_texts", args, model, lambda m: encode_texts(BiEncoder(m), tok, texts,
+                                                                                     args.max_length,
                                                                                      batch_size=args.batch_size))},
                 args.reps)
     lengths = [len(x) for x in tok(texts, max_length=args.max_length, truncation=True)["input_ids"]]

@@ -28,7 +28,9 @@ from retrieval_kit.records import read_records  # noqa: E402
 from retrieval_kit.chunking import chunk_batch  # noqa: E402
 from retrieval_kit.collate import DEFAULT_TEMPLATE, collate_biencoder, collate_rerank  # noqa: E402
 from retrieval_kit.losses import contrastive_loss, listwise_loss  # noqa: E402
-from retrieval_kit.models import BiEncoder, CrossEncoder, default_model_dir, load_encoder, load_reranker  # noqa: E402
+from retrieval_kit.heads.classifier import Classifier, load as load_reranker  # noqa: E402
+from retrieval_kit.heads.single_vector import BiEncoder  # noqa: E402
+from retrieval_kit.models import default_model_dir, load_encoder  # noqa: E402
 
 
 def one_step(batch_size, grad_cache, chunk_tokens, max_length, train_file, reranker):
@@ -36,7 +38,7 @@ def one_step(batch_size, grad_cache, chunk_tokens, max_length, train_file, reran
     model_dir = default_model_dir()
     tok = AutoTokenizer.from_pretrained(model_dir)
     net = (load_reranker if reranker else load_encoder)(model_dir).train()
-    wrapped = CrossEncoder(net, "avg") if reranker else BiEncoder(net, "avg", True)
+    wrapped = Classifier(net, "avg") if reranker else BiEncoder(net, "avg", True)
     model = dist.wrap_ddp(wrapped, ctx)
     opt = optim.build_optimizer(optim.param_groups(net, 0.01), 1e-5)
     records, _ = read_records(train_file, 2)

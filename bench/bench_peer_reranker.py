@@ -34,13 +34,14 @@ from bench.bench_train_step import batches  # noqa: E402
 from retrieval_kit import dist, loop, optim  # noqa: E402
 from retrieval_kit.collate import pair_layout, rerank_inputs  # noqa: E402
 from retrieval_kit.losses import RERANK_LOSSES, reranker_loss  # noqa: E402
-from retrieval_kit.models import CrossEncoder, default_model_dir, load_reranker  # noqa: E402
+from retrieval_kit.heads.classifier import Classifier, load as load_reranker  # noqa: E402
+from retrieval_kit.models import default_model_dir  # noqa: E402
 
 
 def make_kit(model_dir, args, ctx):
     """train_reranker.py's step with its default flags: step(inputs) on one collated micro-batch."""
     net = load_reranker(model_dir, attention_dropout=args.attention_dropout, fast_dropout=args.fast_dropout).train()
-    model, _ = dist.wrap(CrossEncoder(net), net, ctx, activation_checkpointing=args.activation_checkpointing)
+    model, _ = dist.wrap(Classifier(net), net, ctx, activation_checkpointing=args.activation_checkpointing)
     opt = optim.build_optimizer(optim.param_groups(net, 0.01), 2e-5)
     sched = optim.build_scheduler(opt, 0, 1000)
     state = loop.LoopState()

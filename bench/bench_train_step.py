@@ -47,8 +47,8 @@ from retrieval_kit.losses import biencoder_loss  # noqa: E402
 from retrieval_kit import data, dist, loop, optim  # noqa: E402
 from retrieval_kit.records import read_records  # noqa: E402
 from retrieval_kit.collate import biencoder_inputs  # noqa: E402
-from retrieval_kit.models import (BiEncoder, LateInteraction, attach_multi_vector, default_model_dir,  # noqa: E402
-                                  load_encoder)
+from retrieval_kit.heads import multi_vector, single_vector  # noqa: E402
+from retrieval_kit.models import default_model_dir, load_encoder  # noqa: E402
 
 
 class HostReads(TorchFunctionMode):
@@ -81,17 +81,19 @@ def make_kit(model_dir, args, ctx):
     enc = load_encoder(model_dir, attention_dropout=getattr(args, "attention_dropout", None),
                        fast_dropout=getattr(args, "fast_dropout", False)).train()
     multi = getattr(args, "multi_vector", False)  # --head multi-vector: a 128-dim token projection, MaxSim
+    head = multi_vector if multi else single_vector
     if multi:
-        attach_multi_vector(enc, 128, 0)
-        net = LateInteraction(enc, {"q": args.query_max_length, "p": args.passage_max_length})
-    else:
-        net = BiEncoder(enc, "avg", True)
+        enc = multi_vector.load(model_dir, dim=128, seed=0, attention_dropout=getattr(args, "attention_dropout", None),
+                                fast_dropout=getattr(args, "fast_dropout", False)).train()
+    net = head.embedder(enc, {"pooling": "avg", "normalize": True, "query_max_length": args.query_max_length,
+                              "passage_max_length": args.passage_max_length})
     model, _ = dist.wrap(net, enc, ctx, activation_checkpointing=args.activation_checkpointing)
     opt = optim.build_optimizer(optim.param_groups(enc, 0.01), 1e-5)
     sched = optim.build_scheduler(opt, 0, 1000)
     state = loop.LoopState()
-    loss_fn = functools.partial(biencoder_loss, n_passages=args.n_passages, temperature=1.0 if multi else 0.05,
-                                in_batch=True, gather=True, label_offset=0)
+    loss_fn = functools.partial(biencoder_loss, n_passages=args.n_passages, temperature=head.TEMPERATURE,
+                                in_batch=True, gather=dist.gather, gather_with_grad=dist.gather_with_grad,
+                                label_offset=0, scores=head.scores)
     fwd_bwd = loop.grad_cache_step if args.grad_cache else loop.plain_step
     autocast = (ctx.device.type, torch.bfloat16 if getattr(args, "compute_dtype", "fp32") == "bf16" else None)
 

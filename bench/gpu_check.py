@@ -138,7 +138,8 @@ def kit_batches(n, batch_size=32, n_passages=2, chunk_tokens=0, seed=0):
 
 
 def kit_model(train=True):
-    from retrieval_kit.models import BiEncoder, default_model_dir, load_encoder
+    from retrieval_kit.heads.single_vector import BiEncoder
+    from retrieval_kit.models import default_model_dir, load_encoder
 
     torch.manual_seed(0)
     enc = load_encoder(default_model_dir()).to(DEVICE)
@@ -328,7 +329,7 @@ def part_decoder(tmp):
     from transformers import AutoModel
 
     from retrieval_kit import log, lora, loop, optim, plan
-    from retrieval_kit.models import BiEncoder
+    from retrieval_kit.heads.single_vector import BiEncoder
     from tests.test_plan import real_bytes
 
     small = not CUDA

@@ -21,17 +21,16 @@ import sys
 import time
 
 import torch
-from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from retrieval_kit import ckpt  # noqa: E402
 from retrieval_kit import precision  # noqa: E402
 from retrieval_kit.encode import score_pairs  # noqa: E402
-from retrieval_kit.evaluate import biencoder_settings, fuse_scores, load_beir, reorder, retrieve  # noqa: E402
-from retrieval_kit.export import load_exported_reranker, rerank_layout  # noqa: E402
+from retrieval_kit.collate import rerank_layout  # noqa: E402
+from retrieval_kit.evaluate import fuse_scores, load_beir, load_biencoder, reorder, retrieve  # noqa: E402
+from retrieval_kit.export import load_exported_reranker  # noqa: E402
 from retrieval_kit.metrics import rank_docs, retrieval_metrics  # noqa: E402
-from retrieval_kit.models import load_encoder  # noqa: E402
 
 
 def load_weights(model_dir):
@@ -64,9 +63,7 @@ def main():
 
     defaults = {"pooling": "avg", "normalize": True, "query_prefix": "", "passage_prefix": "",
                 "query_max_length": 32, "passage_max_length": 128}
-    s = biencoder_settings(args.biencoder, defaults)
-    tok = AutoTokenizer.from_pretrained(args.biencoder)
-    enc = load_encoder(args.biencoder)
+    enc, tok, s, _ = load_biencoder(args.biencoder, defaults)  # (the defaults as flags: what this curve measured)
     sets = {}
     for b in args.beir:
         beir = load_beir(b)

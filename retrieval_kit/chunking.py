@@ -109,8 +109,9 @@ def chunk_batch(batch, chunk_tokens, multiple=None, max_length=None):
     mask = tensors["attention_mask"]
     lengths = mask.sum(dim=1)
     n_tokens = int(lengths.sum())
-    if "maxsim_mask" in tensors:  # --head multi-vector: expansion tokens MaxSim scores but the encoder skips
-        lengths = (mask.bool() | tensors["maxsim_mask"].bool()).sum(dim=1)
+    keep = [v.bool() for k, v in tensors.items() if k.endswith("_mask") and k != "attention_mask"]
+    if keep:  # a column another mask keeps (multi-vector's maxsim_mask: expansion tokens the encoder skips) stays
+        lengths = torch.stack([mask.bool(), *keep]).any(0).sum(dim=1)
     if chunk_tokens <= 0 or mask.shape[0] <= 1:
         return Chunked(tensors, n_tokens=n_tokens)
     order = torch.argsort(lengths, descending=True, stable=True)

@@ -271,7 +271,11 @@ DERIVED = {"train_mixture": "the training files (name, path, records, weight, ba
                             "digest)"}
 # what a resume cannot change even with --allow-changed-args: the weights it continues come from it
 FIXED = {"model": "a resume continues the checkpoint's weights, trained from that model: start a new run (another "
-                  "--output-dir) to train another one"}
+                  "--output-dir) to train another one",
+         "head": "a checkpoint holds the weights of its head (a projection, a vocabulary or classifier head): start "
+                 "a new run (another --output-dir) to train another kind of model",
+         "multi_vector_dim": "its token projection has that many rows: start a new run (another --output-dir) to "
+                             "train another size"}
 
 
 def _comparable(saved, now):

@@ -20,7 +20,7 @@ import functools
 import os
 import string
 
-from . import flags
+from . import flags, heads
 from .records import DataSpec
 
 CHUNK_TOKENS = 1024  # --chunk-tokens on CPU: measured faster on the default model and data (docs/benchmarks.md)
@@ -174,7 +174,7 @@ def setting_overrides(args):
     the model dir's)."""
     from .st_format import SETTING_KEYS
 
-    out = {k: getattr(args, k, None) for k in SETTING_KEYS}
+    out = {k: getattr(args, k, None) for k in SETTING_KEYS + ("matryoshka_dims",)}
     for key, flag_name, values in (("query_expansion", "query_expansion", QUERY_EXPANSION),
                                    ("skiplist_words", "skiplist", SKIPLISTS)):  # --head multi-vector's
         given = getattr(args, flag_name, None)
@@ -216,8 +216,9 @@ def add_reranker_loss_args(g, losses):
     flag(g, "--loss", choices=tuple(losses), default="listwise",
          help="listwise = cross-entropy over each query's group, positive first; bce = pointwise binary "
               "cross-entropy, positive 1 / negatives 0 (default listwise)")
-    flag(g, "--head-lr-mult", type=flags.positive_float, default=1.0,
-         help="learning rate of the head (classifier, and BERT's pooler) = --lr x this (default 1)")
+    flag(g, "--head-lr-mult", type=flags.positive_float, default=None,
+         help="--head classifier: learning rate of the fresh head (classifier, and BERT's pooler) = --lr x this "
+              "(default 1)")
     add_distill_args(g)
 
 
@@ -480,7 +481,6 @@ def resume_request(args):
 
 # ----- the parsers, and what is decided from several flags ---------------------------------------
 
-BIENCODER_HEADS = ("single-vector", "multi-vector", "sparse")
 # --query-expansion / --skiplist -> the settings' query_expansion / skiplist_words (collate.maxsim_sides)
 QUERY_EXPANSION = {"off": False, "on": {"attend": False, "token": None}, "attend": {"attend": True, "token": None}}
 SKIPLISTS = {"none": [], "punctuation": list(string.punctuation)}
@@ -499,7 +499,7 @@ def biencoder_parser(description=None):
     flag(g, "--bidirectional", action="store_true",
          help="drop a decoder's causal mask (attend both ways, as NeMo Automodel's Llama bi-encoder); saved in the "
               "export's config.json (is_causal false), which transformers and sentence-transformers honour")
-    flag(g, "--head", choices=BIENCODER_HEADS, default=None,
+    flag(g, "--head", choices=heads.EMBEDDING, default=None,
          help="single-vector = one pooled vector per text, scored by the dot product; multi-vector = late "
               "interaction (ColBERT): every token's state through a trained bias-free projection to "
               "--multi-vector-dim, L2-normalized, scored by MaxSim; exported as a sentence-transformers "
@@ -507,7 +507,7 @@ def biencoder_parser(description=None):
               "the model's MLM / LM head, max over the tokens, scored by the dot product, with the FLOPS regularizer "
               "(--flops-weights); exported as a SparseEncoder dir (default: the model dir's kind - "
               "MultiVectorEncoder, SparseEncoder - else single-vector)")
-    flag(g, "--multi-vector-dim", type=flags.positive_int, default=128,
+    flag(g, "--multi-vector-dim", type=flags.positive_int, default=None,
          help="--head multi-vector: the size of each token's vector (default 128, as sentence-transformers' "
               "MultiVectorEncoder; a MultiVectorEncoder dir's own projection keeps its size)")
     flag(g, "--query-expansion", choices=tuple(QUERY_EXPANSION), default=None,
@@ -522,7 +522,7 @@ def biencoder_parser(description=None):
               "none, as sentence-transformers' MultiVectorEncoder)")
     loss = p.add_argument_group("loss")
     add_biencoder_loss_args(loss)
-    flag(loss, "--flops-weights", type=flags.listed(flags.nonneg_float), default=[5e-5, 3e-5],
+    flag(loss, "--flops-weights", type=flags.listed(flags.nonneg_float), default=None,
          help="--head sparse: the FLOPS regularizer's weights for queries and documents (default 5e-5,3e-5, "
               "sentence-transformers' SpladeLoss example)")
     flag(loss, "--flops-warmup-steps", type=flags.nonneg_int, default=None,
@@ -557,16 +557,16 @@ def reranker_parser(description=None):
          help="pad side for pairs (default auto = the tokenizer's own)")
     g = p.add_argument_group("model")
     add_model_args(g)
-    flag(g, "--pooling", choices=("native", "last", "avg", "cls"), default="native",
-         help="native = the model's own classification head (BERT: pooler -> classifier; decoders: last "
-              "non-pad token), what transformers and sentence-transformers run; last/avg/cls pool hidden "
-              "states by the attention mask, then the linear head (kit-only; default native)")
+    flag(g, "--pooling", choices=("native", "last", "avg", "cls"), default=None,
+         help="--head classifier: native = the model's own classification head (BERT: pooler -> classifier; "
+              "decoders: last non-pad token), what transformers and sentence-transformers run; last/avg/cls pool "
+              "hidden states by the attention mask, then the linear head (kit-only; default native)")
     flag(g, "--bidirectional", action="store_true", help="drop a decoder's causal mask (attend both ways)")
-    flag(g, "--head", choices=("classifier", "lm"), default="classifier",
+    flag(g, "--head", choices=heads.RERANKER, default="classifier",
          help="classifier = a one-logit sequence-classification head (default); lm = a causal LM scored by its "
               "own LM head, logit(true word) - logit(false word) after the pair's last token (LLM rerankers: "
               "Qwen3-Reranker, FlagEmbedding's LLM rerankers); left padding")
-    flag(g, "--lm-tokens", type=flags.listed(str), default=["yes", "no"],
+    flag(g, "--lm-tokens", type=flags.listed(str), default=None,
          help="--head lm: the true and false words, one token each (default yes,no)")
     flag(g, "--export-seq-cls", action="store_true", neutral=True,
          help="--head lm: also write final/seq_cls/, a *ForSequenceClassification dir whose one logit is "
@@ -638,19 +638,17 @@ def parse(parser, argv=None):
     if getattr(args, "flops_weights", None) is not None and len(args.flops_weights) != 2:
         raise SystemExit(f"--flops-weights: {len(args.flops_weights)} value(s); give two, the query's and the "
                          "document's (e.g. 5e-5,3e-5)")
-    if getattr(args, "head", None) in ("multi-vector", "sparse"):
-        if args.matryoshka_dims:
-            raise SystemExit(f"--matryoshka-dims: not with --head {args.head} (its vectors are not truncated in "
-                             "training); drop one of them")
-        if args.pooling:
-            raise SystemExit(f"--pooling {args.pooling}: --head {args.head} has its own pooling (every token keeps "
-                             "its vector / max over the tokens); drop --pooling")
-    if hasattr(args, "lm_tokens"):
-        if args.head == "lm" and len(args.lm_tokens) != 2:
-            raise SystemExit(f"--lm-tokens: {len(args.lm_tokens)} word(s) ({','.join(args.lm_tokens)}); give exactly "
-                             "two, the true word and the false word (e.g. yes,no)")
-        if args.head != "lm" and args.lm_tokens != ["yes", "no"]:
-            raise SystemExit("--lm-tokens: only with --head lm (a classifier head has no vocabulary to read)")
+    if getattr(args, "lm_tokens", None) is not None and len(args.lm_tokens) != 2:
+        raise SystemExit(f"--lm-tokens: {len(args.lm_tokens)} word(s) ({','.join(args.lm_tokens)}); give exactly "
+                         "two, the true word and the false word (e.g. yes,no)")
+    if getattr(args, "in_batch_negatives", True) is False and args.n_passages < 2:
+        raise SystemExit(f"--no-in-batch-negatives with --n-passages {args.n_passages}: every query would be scored "
+                         "against its positive alone, and nothing is learned; give --n-passages 2 or more, or keep "
+                         "in-batch negatives")
+    if (getattr(args, "flops_warmup_steps", None) or 0) > args.max_steps and os.environ.get("RANK", "0") == "0":
+        print(f"warning: --flops-warmup-steps {args.flops_warmup_steps} > --max-steps {args.max_steps}: the FLOPS "
+              f"weights never reach --flops-weights (they stop at {(args.max_steps / args.flops_warmup_steps) ** 2:.3g} "
+              "of them)", flush=True)
     if args.select_best:
         split = args.select_best.partition("/")[0]
         logged = validation_splits(args)
@@ -662,8 +660,8 @@ def parse(parser, argv=None):
         if split == "val" and name not in VAL_METRICS:
             raise SystemExit(f"--select-best {args.select_best}: val/* holds {', '.join(VAL_METRICS)} (the fixed "
                              "groups' validation); retrieval metrics are beir/* (--eval-beir) and dev/* (--dev-queries)")
-    if getattr(args, "export_seq_cls", False) and args.head != "lm":
-        raise SystemExit("--export-seq-cls: only with --head lm (a classifier head's export is a seq-cls dir already)")
+    if getattr(args, "rerank_max_length", None):  # the reranker's head is known now (the bi-encoder's: from its dir)
+        head_flags(args, args.head)
     if not args.lora_rank:
         for name in ("lora_alpha", "export_adapter"):
             if getattr(args, name):
@@ -672,6 +670,26 @@ def parse(parser, argv=None):
 
     check_inputs("--output-dir", args.output_dir, run_inputs(args))  # before anything loads (ckpt.start_run again)
     return args
+
+
+def head_flags(args, head, whose="this run's"):
+    """The head `head` chosen for a run or tool, once: its module (heads.get). No flag dropped in silence:
+    a flag that only another head takes (its module's FLAGS), given with `head`, is one sentence naming
+    both; `head`'s own flags left unset get its defaults, in `args` (so the run header and the checkpoint
+    hold what ran), and so do --head and --temperature (the head's TEMPERATURE)."""
+    module = heads.get(head)
+    own = module.FLAGS
+    for name in heads.MODULES:
+        for dest in heads.get(name).FLAGS if name != head else ():
+            value = getattr(args, dest, None)
+            if dest not in own and value is not None and value is not False:
+                takes = [n for n in heads.MODULES if dest in heads.get(n).FLAGS]
+                raise SystemExit(f"--{dest.replace('_', '-')}: only with --head {' or '.join(takes)}; {whose} head is "
+                                 f"{head}: drop the flag")
+    for dest, default in {**own, "head": head, "temperature": getattr(module, "TEMPERATURE", None)}.items():
+        if hasattr(args, dest) and getattr(args, dest) is None:
+            setattr(args, dest, default)
+    return module
 
 
 def resolve_device_defaults(args, device):

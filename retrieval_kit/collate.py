@@ -66,10 +66,8 @@ def skiplist_ids(tokenizer, words):
 
 def maxsim_sides(tokenizer, settings):
     """{"q": MaxSimSide | None, "p": MaxSimSide | None} of a --head multi-vector model's settings
-    (query_expansion: None or {"attend", "token"}; skiplist_words: the passage side's); both None for
-    the other heads and for a multi-vector model with neither."""
-    if settings.get("head") != "multi-vector":
-        return {"q": None, "p": None}
+    (query_expansion: None or {"attend", "token"}; skiplist_words: the passage side's); both None for a
+    multi-vector model with neither (heads/multi_vector.sides)."""
     q = p = None
     expansion = settings.get("query_expansion")
     if expansion:
@@ -274,6 +272,11 @@ class TemplateLayout:
         self.after = after + ([eos_id] if eos_id is not None else [])
         self.n_fixed = len(self.encode_pairs([""], [""], None)[0][0])
 
+    def passage_first(self):
+        """Does the template put the passage before the query?"""
+        slots = [kind for kind, _ in self.pieces if kind != "text"]
+        return slots[0] == "passage"
+
     def render(self, query, passage):
         """(text, (query start, end), (passage start, end)): the template with both filled in, and
         where each lies in it (characters)."""
@@ -340,6 +343,12 @@ def pair_layout(tokenizer, template=PAIR, append_eos=False):
     segments = [seg(0, i), ("query", None, ftypes[i]), seg(i + len(qa), j), ("passage", None, ftypes[j]),
                 seg(j + len(pb), len(full))]
     return PairLayout(tokenizer, segments, with_types, eos)
+
+
+def rerank_layout(tokenizer, settings):
+    """The layout to score with: the saved template of a reranker's settings (an export's tokenizer renders
+    it as training did)."""
+    return pair_layout(tokenizer, settings.get("prompt_template", PAIR), settings.get("append_eos", False))
 
 
 def tokenize_bare(tokenizer, texts, max_length):

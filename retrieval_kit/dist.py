@@ -237,6 +237,13 @@ def gather(t):
     return torch.cat(parts, dim=0)
 
 
+def negative_gathers(on, label_offset):
+    """losses.biencoder_loss's keywords for every rank's passages as negatives (`on`): the gathers without
+    and with a graph, and this rank's label offset (rank * B * n_passages); none, offset 0, when off."""
+    return {"gather": gather, "gather_with_grad": gather_with_grad, "label_offset": label_offset} if on else {
+        "label_offset": 0}
+
+
 def gather_with_grad(t):
     """Concatenate `t` from all ranks in rank order, keeping the autograd graph.
 

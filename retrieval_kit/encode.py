@@ -1,5 +1,6 @@
 """Inference: embed many texts (sorted by length, batched, original order restored; split over
-ranks under torchrun) and score (query, passage) groups with a cross-encoder.
+ranks under torchrun; kept as the model's head stores a corpus) and score (query, passage) groups with
+a cross-encoder.
 
 Sorting by length means each batch pads only to its own longest text, so little work goes to
 padding; the embedding of a text depends only on its own tokens, so the result is the same.
@@ -11,22 +12,20 @@ import torch
 from tqdm import tqdm
 
 from .collate import tokenize
-from .models import BiEncoder, LateInteraction, Splade, encode, sparse_vectors, token_vectors
-
-
-TOKEN_STORAGE = torch.bfloat16  # a multi-vector corpus's token vectors (scored in fp32, losses.maxsim)
+from .heads import single_vector
 
 
 @torch.no_grad()
-def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, pooling="avg",
-                 normalize=True, device="cpu", progress=False, desc="encode", side=None):
-    """Embed `texts` -> (N, H) float32 tensor on CPU, rows in the order of `texts`.
+def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, device="cpu", progress=False,
+                 desc="encode", side=None, head=single_vector, name="p", dtype=None):
+    """Embed `texts` -> their representations as `head` stores a corpus (head.store / head.stack: (N, H)
+    fp32 for one vector, (N, max_length, dim + 1) bf16 token vectors, (N, V) sparse COO), on the CPU,
+    rows in the order of `texts`.
 
-    `model` is an HF encoder (pooled with `pooling` / `normalize`) or a BiEncoder (its own settings).
-    pooling "tokens" (--head multi-vector): (N, max_length, dim + 1) token vectors with their mask
-    channel (models.token_vectors), stored in TOKEN_STORAGE (bf16: 2 bytes a number); pooling "sparse"
-    (--head sparse): (N, V) sparse COO, the vectors' non-zeros only (models.sparse_vectors). `side`: the
-    texts' collate.MaxSimSide (--head multi-vector's query expansion or skiplist), or None.
+    `model` is the head's embedder module (head.embedder: BiEncoder, LateInteraction, Splade; possibly
+    FSDP2-sharded), run as `model(**{name: batch})[name]` ("q": queries, "p": passages). `side`: the
+    texts' collate.MaxSimSide (head.sides), or None. `dtype`: the stored dtype where the head keeps one
+    (multi-vector: bf16 by default).
     """
     was_training = model.training
     model.eval()
@@ -37,34 +36,13 @@ def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
     for s in tqdm(starts, desc=desc, disable=not progress):
         idx = order[s:s + batch_size]
         batch = tokenize(tokenizer, [texts[i] for i in idx], max_length, prefix, side=side).to(device)
-        if pooling == "tokens":  # --head multi-vector: (rows, max_length, dim + 1) token vectors, stored small
-            reps = model(p=batch)["p"] if isinstance(model, LateInteraction) else token_vectors(model, batch)
-            # (columns past max_length, which a configured width may add, are padding: cut)
-            reps = torch.nn.functional.pad(reps, (0, 0, 0, max_length - reps.shape[1])).to(TOKEN_STORAGE).cpu()
-        elif pooling == "sparse":  # --head sparse: vocabulary-sized vectors, kept as their non-zeros
-            reps = (model(p=batch)["p"] if isinstance(model, Splade) else sparse_vectors(model, batch)).float().cpu()
-            reps = [r.to_sparse() for r in reps]
-        elif isinstance(model, BiEncoder):  # a (possibly FSDP2-sharded) BiEncoder: go through its forward
-            reps = model(p=batch)["p"].float().cpu()
-        else:
-            reps = encode(model, batch, pooling, normalize).float().cpu()
+        rows = head.store(model(**{name: batch})[name], max_length, dtype)
         for row, i in enumerate(idx):
-            out[i] = reps[row]
+            out[i] = rows[row]
     model.train(was_training)
     if not texts:
         return torch.empty(0, 0)
-    if pooling == "sparse":
-        return stack_sparse(out)
-    return torch.stack(out)
-
-
-def stack_sparse(rows):
-    """(N, V) sparse COO tensor of N sparse (V,) vectors, in order: never a dense N x V matrix."""
-    idx = [r.coalesce().indices()[0] for r in rows]
-    vals = [r.coalesce().values() for r in rows]
-    row_of = torch.cat([torch.full((len(i),), n, dtype=torch.long) for n, i in enumerate(idx)])
-    return torch.sparse_coo_tensor(torch.stack([row_of, torch.cat(idx)]), torch.cat(vals),
-                                   (len(rows), rows[0].shape[0]), check_invariants=False).coalesce()
+    return head.stack(out)
 
 
 @torch.no_grad()
@@ -72,13 +50,12 @@ def score_pairs(model, tokenizer, queries, passages, settings, batch_size=32, de
                 progress=False, desc="score"):
     """Cross-encoder scores of the pairs (queries[i], passages[i]): (N,) float32 on CPU, in input order.
 
-    `model` is a CrossEncoder; `settings` holds the tokenization saved with the export or checkpoint
-    (export.rerank_layout reads it), so scoring tokenizes as training did. The pairs go through in
+    `model` is a reranker head's scorer; `settings` holds the tokenization saved with the export or
+    checkpoint (collate.rerank_layout reads it), so scoring tokenizes as training did. The pairs go through in
     forwards of `batch_size` pairs sorted by length (characters), each padded only to its own longest,
     as encode_texts does with texts.
     """
-    from .collate import collate_rerank
-    from .export import rerank_layout
+    from .collate import collate_rerank, rerank_layout
 
     layout = layout or rerank_layout(tokenizer, settings)
     was_training = model.training
@@ -105,9 +82,9 @@ def rerank_groups(model, tokenizer, queries, groups, settings, batch_size=16, de
     return scores.view(-1, n)
 
 
-def encode_shard(model, tokenizer, texts, max_length, prefix="", batch_size=64, pooling="avg", normalize=True,
-                 device="cpu", progress=False, desc="encode", side=None):
-    """This rank's contiguous shard of `texts` (data.shard) embedded: ((n_own, H) float32 on CPU,
+def encode_shard(model, tokenizer, texts, max_length, prefix="", batch_size=64, device="cpu", progress=False,
+                 desc="encode", side=None, head=single_vector, name="p"):
+    """This rank's contiguous shard of `texts` (data.shard) embedded: (its rows as `head` stores them,
     index of its first text in `texts`). Every rank runs the same number of batches (a short shard
     repeats a text, dropped after), as FSDP2's collective forwards need."""
     from .data import shard
@@ -117,11 +94,9 @@ def encode_shard(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
     per = -(-len(texts) // world)
     own = shard(texts, rank, world)
     padded = own + [texts[-1]] * (per - len(own)) if texts else []
-    mine = encode_texts(model, tokenizer, padded, max_length, prefix, batch_size, pooling, normalize, device,
-                        progress and rank == 0, desc, side)
-    if mine.is_sparse:
-        return mine.index_select(0, torch.arange(len(own))), min(rank * per, len(texts))
-    return mine[:len(own)], min(rank * per, len(texts))
+    mine = encode_texts(model, tokenizer, padded, max_length, prefix, batch_size, device, progress and rank == 0, desc,
+                        side, head, name)
+    return head.select(mine, torch.arange(len(own))), min(rank * per, len(texts))
 
 
 def block_sum(path):
@@ -154,13 +129,14 @@ def block_done(path):
         return False
 
 
-def encode_blocks(model, tokenizer, texts, max_length, prefix, batch_size, pooling, normalize, device, parts, name,
-                  block_size, progress=False, side=None):
+def encode_blocks(model, tokenizer, texts, max_length, prefix, batch_size, device, parts, name, block_size,
+                  progress=False, side=None, head=single_vector, side_name="p"):
     """Embed `texts` in blocks of `block_size`, block b on rank b % world, each saved to
     `parts`/NAME_b.pt as soon as it is done (a temporary file renamed, its checksum written beside
     it), so a run killed and started again skips the blocks already written, on any number of ranks.
-    Returns this rank's blocks (b % world == rank, encoded now or read back) as ((n_own, H) float32,
-    their indices into `texts`). The model must not be sharded (each rank runs its own forwards)."""
+    Returns this rank's blocks (b % world == rank, encoded now or read back) as (their rows as `head`
+    stores them, their indices into `texts`). The model must not be sharded (each rank runs its own
+    forwards)."""
     from .dist import rank as get_rank, world_size
 
     world, me = world_size(), get_rank()
@@ -172,8 +148,8 @@ def encode_blocks(model, tokenizer, texts, max_length, prefix, batch_size, pooli
         if block_done(path):
             emb = torch.load(path, weights_only=True)
         else:
-            emb = encode_texts(model, tokenizer, [texts[i] for i in rows], max_length, prefix, batch_size, pooling,
-                               normalize, device, side=side)
+            emb = encode_texts(model, tokenizer, [texts[i] for i in rows], max_length, prefix, batch_size, device,
+                               side=side, head=head, name=side_name)
             save_block(path, lambda tmp: torch.save(emb, tmp))
         embs.append(emb)
         ids.append(torch.arange(rows.start, rows.stop))
@@ -182,9 +158,10 @@ def encode_blocks(model, tokenizer, texts, max_length, prefix, batch_size, pooli
     return torch.cat(embs), torch.cat(ids)
 
 
-def encode_sharded(model, tokenizer, texts, max_length, prefix="", batch_size=64, pooling="avg", normalize=True,
-                   device="cpu", progress=False, desc="encode", side=None):
-    """encode_texts split over the ranks of the process group, gathered back in order on every rank."""
+def encode_sharded(model, tokenizer, texts, max_length, prefix="", batch_size=64, device="cpu", progress=False,
+                   desc="encode", side=None, head=single_vector, name="q"):
+    """encode_texts split over the ranks of the process group, gathered back in order on every rank
+    (dense: head.as_dense; a few texts at a time, queries)."""
     import torch.distributed as tdist
 
     from .data import shard
@@ -192,11 +169,11 @@ def encode_sharded(model, tokenizer, texts, max_length, prefix="", batch_size=64
 
     world = world_size()
     if world == 1:
-        return encode_texts(model, tokenizer, texts, max_length, prefix, batch_size, pooling, normalize, device,
-                            progress, desc, side)
-    mine, _ = encode_shard(model, tokenizer, texts, max_length, prefix, batch_size, pooling, normalize, device,
-                           progress, desc, side)
-    mine = mine.to_dense() if mine.is_sparse else mine  # (gathered dense: queries, a few at a time)
+        return head.as_dense(encode_texts(model, tokenizer, texts, max_length, prefix, batch_size, device, progress,
+                                          desc, side, head, name))
+    mine, _ = encode_shard(model, tokenizer, texts, max_length, prefix, batch_size, device, progress, desc, side, head,
+                           name)
+    mine = head.as_dense(mine)
     per = -(-len(texts) // world)
     dims = torch.zeros(2, dtype=torch.long, device=device)  # a row's shape: (H,) or, token vectors, (W, d + 1)
     if mine.numel():

@@ -19,16 +19,15 @@ import os
 
 import torch
 
-from . import cli, dist, flags, outputs, precision
-from .collate import maxsim_sides
+from . import cli, dist, flags, heads, outputs, precision
 from .data import shard
 from .formats import read_corpus, read_qrels, read_queries
 from .encode import encode_shard, encode_sharded, score_pairs
 from .export import load_exported_reranker
 from .metrics import rank_docs, retrieval_metrics
-from .models import decoder_dir, default_model_dir, embedding_size, load_encoder, load_tokenizer, prepare_embedder
-from .search import maxsim_topk, sharded_topk, sparse_topk
-from .st_format import KIT_DEFAULTS, load_settings, resolve_biencoder_settings
+from .models import decoder_dir, default_model_dir, load_tokenizer, prepare_embedder
+from .search import sharded_topk
+from .st_format import KIT_DEFAULTS, read_spec, resolve_biencoder_settings, resolve_head
 
 
 def _beir_file(path):
@@ -47,19 +46,46 @@ def load_beir(beir_dir, split="test"):
     return ids, texts, queries, qrels
 
 
-def biencoder_settings(model_dir, flags):
-    """Pooling, normalization, prefixes and max lengths: explicit flags (not None), else the export's
-    retrieval_kit.json, else the dir's sentence-transformers files, else the kit's defaults (a decoder's
-    pooling: last, the token that has read the whole text); prints what it read from
-    sentence-transformers files."""
-    kind = load_settings(model_dir).get("kind")
-    if kind == "reranker":  # its pooling ('native': a classification head) embeds nothing
-        raise SystemExit(f"{model_dir}: a reranker export (its retrieval_kit.json), not a bi-encoder: pass a dir "
+def biencoder_settings(spec, flags):
+    """Pooling, normalization, prefixes, max lengths and the head (with its own settings): explicit flags
+    (not None), else the export's retrieval_kit.json, else the dir's sentence-transformers files (`spec`:
+    st_format.read_spec), else the kit's defaults (a decoder's pooling: last, the token that has read the
+    whole text); prints what it read from sentence-transformers files. A reranker export, or a dir whose
+    own head is not the one asked for (heads.check_dir), is one sentence."""
+    if spec.kit.get("kind") == "reranker":  # its pooling ('native': a classification head) embeds nothing
+        raise SystemExit(f"{spec.path}: a reranker export (its retrieval_kit.json), not a bi-encoder: pass a dir "
                          "train_biencoder.py exported (or any embedding model) where a bi-encoder is asked for")
-    defaults = {**KIT_DEFAULTS, "pooling": "last"} if decoder_dir(model_dir) else KIT_DEFAULTS
-    settings, read = resolve_biencoder_settings(model_dir, flags, defaults)
+    defaults = {**KIT_DEFAULTS, "pooling": "last"} if decoder_dir(spec.path) else KIT_DEFAULTS
+    head = resolve_head(spec, flags, defaults)
+    heads.check_dir(spec, head)
+    settings, read = resolve_biencoder_settings(spec, flags, defaults, heads.get(head).SETTINGS)
     if read:
         dist.print0(read)
+    return settings
+
+
+def load_biencoder(model_dir, flags=None, dtype=torch.float32, trust_remote_code=False, device="cpu",
+                   compute_dtype=None):
+    """(model, tokenizer, settings, head) of a bi-encoder dir (an export, a sentence-transformers dir of
+    any kind the kit reads, a plain model) ready for inference on `device`: its head's module
+    (head.embedder: `model(q=batch)` / `model(p=batch)`), in eval mode, the forward under autocast to
+    `compute_dtype` (None: none); its settings as biencoder_settings resolves them from `flags`."""
+    spec = read_spec(model_dir)
+    settings = biencoder_settings(spec, flags or {})
+    head = heads.get(settings["head"])
+    tokenizer = load_tokenizer(model_dir, trust_remote_code, spec.markers)
+    model = head.load(model_dir, dtype, spec=spec, trust_remote_code=trust_remote_code).to(device)
+    precision.autocast_forward(model, torch.device(device).type, compute_dtype)
+    prepare(tokenizer, model, dict(settings), head)  # a decoder: pad token, left padding, EOS for last pooling
+    return head.embedder(model, settings).eval(), tokenizer, settings, head
+
+
+def prepare(tokenizer, model, settings, head, append_eos=None, bidirectional=False, multiple=None):
+    """A bi-encoder's tokenizer and model made ready for their architecture (models.prepare_embedder: a
+    decoder pads left, appends EOS; the lengths checked) and for the head (head.prepare: multi-vector's
+    whole-token markers); what was done goes into `settings`, which is returned."""
+    settings.update(prepare_embedder(tokenizer, model, settings, append_eos, bidirectional, multiple))
+    settings.update(head.prepare(tokenizer, model, settings))
     return settings
 
 
@@ -70,64 +96,31 @@ def retrieve(model, tokenizer, settings, beir, k=100, batch_size=64, device="cpu
     return retrieve_dims(model, tokenizer, settings, beir, [None], k, batch_size, device, progress)[None]
 
 
-def sparse_stats(q_vec, p_own):
-    """--head sparse: the mean active (non-zero) dimensions of the queries and of the documents, and
-    the inverted index's size - a 4-byte id and a 4-byte weight per non-zero - over every rank's shard."""
-    from .dist import world_size
-
-    nnz, rows = float(p_own._nnz()) if p_own.shape[0] else 0.0, float(p_own.shape[0])
-    if world_size() > 1:
-        import torch.distributed as tdist
-
-        both = torch.tensor([nnz, rows], dtype=torch.float64)
-        tdist.all_reduce(both)
-        nnz, rows = both.tolist()
-    return {"active_dims_q": float((q_vec != 0).sum(1).float().mean()), "active_dims_d": nnz / max(rows, 1.0),
-            "index_mb": nnz * 8 / 2 ** 20}
-
-
 def retrieve_dims(model, tokenizer, settings, beir, dims, k=100, batch_size=64, device="cpu", progress=False,
                   stats=None):
     """retrieve for each embedding size in `dims` (None = the whole embedding; d = its first d
-    dimensions, re-normalized when the model normalizes: Matryoshka), the texts embedded once:
-    {d: run}. A sparse model's active dimensions and index size go into `stats` (a dict) when given."""
+    dimensions, re-normalized when the model normalizes: Matryoshka, one-vector heads), the texts
+    embedded once: {d: run}. `model`: the head's module (head.embedder); the corpus is kept as the head
+    stores it and searched by its search (inner product, MaxSim, an inverted index). What the head
+    reports of the corpus (sparse: active dimensions, index size) goes into `stats` (a dict) when given."""
     import torch.nn.functional as F
 
     ids, texts, queries, qrels = beir
     qids = [q for q in queries if q in qrels]
-    if settings.get("head") == "sparse":  # vocabulary-sized vectors, the corpus as an inverted index (CSR)
-        p_own, offset = encode_shard(model, tokenizer, texts, settings["passage_max_length"],
-                                     settings["passage_prefix"], batch_size, "sparse", False, device, progress, "corpus")
-        q_vec = encode_sharded(model, tokenizer, [queries[q] for q in qids], settings["query_max_length"],
-                               settings["query_prefix"], batch_size, "sparse", False, device, progress, "queries")
-        q_vec = q_vec.to_dense() if q_vec.is_sparse else q_vec
-        scores, idx = sharded_topk(q_vec, p_own, offset, k, len(texts), device, search=sparse_topk)
-        if stats is not None:
-            stats.update(sparse_stats(q_vec, p_own))
-        run = {q: {ids[j]: s for s, j in zip(scores[i].tolist(), idx[i].tolist())} for i, q in enumerate(qids)}
-        return {d: run for d in dims if d is None}
-    if settings.get("head") == "multi-vector":  # token vectors (bf16-stored), scored by exact blocked MaxSim
-        sides = maxsim_sides(tokenizer, settings)  # query expansion, the passages' skiplist
-        p_own, offset = encode_shard(model, tokenizer, texts, settings["passage_max_length"],
-                                     settings["passage_prefix"], batch_size, "tokens", True, device, progress, "corpus",
-                                     sides["p"])
-        q_tok = encode_sharded(model, tokenizer, [queries[q] for q in qids], settings["query_max_length"],
-                               settings["query_prefix"], batch_size, "tokens", True, device, progress, "queries",
-                               sides["q"])
-        scores, idx = sharded_topk(q_tok, p_own, offset, k, len(texts), device, search=maxsim_topk)
-        run = {q: {ids[j]: s for s, j in zip(scores[i].tolist(), idx[i].tolist())} for i, q in enumerate(qids)}
-        return {d: run for d in dims if d is None}
+    head = heads.get(settings.get("head", KIT_DEFAULTS["head"]))
+    sides = head.sides(tokenizer, settings)  # multi-vector: query expansion, the passages' skiplist
     p_own, offset = encode_shard(model, tokenizer, texts, settings["passage_max_length"], settings["passage_prefix"],
-                                 batch_size, settings["pooling"], settings["normalize"], device, progress, "corpus")
+                                 batch_size, device, progress, "corpus", sides["p"], head, "p")
     q_emb = encode_sharded(model, tokenizer, [queries[q] for q in qids], settings["query_max_length"],
-                           settings["query_prefix"], batch_size, settings["pooling"], settings["normalize"], device,
-                           progress, "queries")
+                           settings["query_prefix"], batch_size, device, progress, "queries", sides["q"], head, "q")
+    if stats is not None:
+        stats.update(head.corpus_stats(q_emb, p_own))
     runs = {}
     for d in dims:
         q, p = (q_emb, p_own) if d is None else (q_emb[:, :d], p_own[:, :d])
         if d is not None and settings["normalize"]:
             q, p = F.normalize(q, dim=-1), F.normalize(p, dim=-1)
-        scores, idx = sharded_topk(q, p, offset, k, len(texts), device)
+        scores, idx = sharded_topk(q, p, offset, k, len(texts), device, search=head.search)
         runs[d] = {q: {ids[j]: s for s, j in zip(scores[i].tolist(), idx[i].tolist())} for i, q in enumerate(qids)}
     return runs
 
@@ -223,10 +216,7 @@ class RerankDev:
     legitimate best: the reranker does not pay on this data."""
 
     def __init__(self, dev, biencoder_dir, batch_size, device, progress=False):
-        settings = biencoder_settings(biencoder_dir, {})  # (a reranker export here: one sentence, before loading)
-        tok = load_tokenizer(biencoder_dir)
-        enc = load_encoder(biencoder_dir).to(device).eval()
-        prepare_embedder(tok, enc, settings)
+        enc, tok, settings, _ = load_biencoder(biencoder_dir, device=device)  # (a reranker export: one sentence)
         self.dev, self.k = dev, max(FUSION_TOP_K)
         self.run = retrieve(enc, tok, settings, dev, self.k, batch_size, device, progress)
         self.best, self.batch_size = None, 32  # pairs per forward: the last metrics call's
@@ -310,18 +300,16 @@ def main(argv=None):
     ctx = dist.init()
     beir = load_beir(args.beir, args.split)
     model_dir = args.model or default_model_dir()
-    settings = biencoder_settings(model_dir, vars(args))
-    tok = load_tokenizer(model_dir, args.trust_remote_code)
-    enc = load_encoder(model_dir, torch.float32, args.trust_remote_code).to(ctx.device)
-    precision.autocast_forward(enc, ctx.device.type, precision.parse_dtype(args.compute_dtype))
-    prepare_embedder(tok, enc, settings)  # a decoder: pad token, left padding, EOS for last pooling
-    dims = args.truncate_dims if args.truncate_dims is not None else load_settings(model_dir).get("matryoshka_dims", [])
-    size = embedding_size(enc)
+    model, tok, settings, head = load_biencoder(model_dir, vars(args), torch.float32, args.trust_remote_code,
+                                                ctx.device, precision.parse_dtype(args.compute_dtype))
+    cli.head_flags(args, head.NAME, f"{model_dir} (the model's)")  # e.g. --pooling on a multi-vector export
+    dims = args.truncate_dims if args.truncate_dims is not None else settings.get("matryoshka_dims") or []
+    size = head.embedding_size(model.encoder)
     if any(d > size for d in dims):
         ap.error(f"--truncate-dims {','.join(map(str, dims))}: {model_dir} embeds in {size} dimensions; give sizes up "
                  f"to {size}")
     stats = {}
-    runs = retrieve_dims(enc, tok, settings, beir, [None, *dims], args.k, args.batch_size, ctx.device, ctx.is_main,
+    runs = retrieve_dims(model, tok, settings, beir, [None, *dims], args.k, args.batch_size, ctx.device, ctx.is_main,
                          stats)
     run = runs.pop(None)
     results = {"biencoder": retrieval_metrics(run, beir[3])}

@@ -28,17 +28,15 @@ import json
 import os
 
 import torch
-from safetensors.torch import save_file
 
+from . import heads
 from .ckpt import full_state_dict
 from .collate import PAIR, TemplateLayout, pair_layout, pair_post_processor
 from .dist import barrier, rank, unwrap
 from .flags import writing
 from .outputs import publish, stage as make_stage, staging
 from .lora import merged_state_dict, widest_dtype, write_adapter
-from .st_format import SETTINGS_FILE, load_settings, write_multi_vector_files, write_sparse_files, write_st_files
-
-IDENTITY = "torch.nn.modules.linear.Identity"  # sentence-transformers' activation_fn path for raw logits
+from .st_format import KIT_DEFAULTS, SETTINGS_FILE, edit_json, load_settings, write_chat_template
 PROBES = [("how do i list files", "ls lists directory contents " * 200), ("q", "p"),
           ("a fast compressor for data", "zstd is a fast lossless compression algorithm")]
 
@@ -55,8 +53,9 @@ def export_model(out_dir, model, tokenizer, settings, publish=True, card=None):
 def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None):
     """Save a dir that AutoModel / AutoTokenizer.from_pretrained load, plus our settings beside it
     (pooling, normalization, prefixes, max lengths, template) so evaluation tokenizes as training did.
-    A bi-encoder (settings["kind"] == "biencoder") also gets the sentence-transformers files
-    (st_format.write_st_files), so SentenceTransformer(out_dir) embeds as the kit does.
+    A bi-encoder (settings["kind"] == "biencoder") also gets its head's sentence-transformers files
+    (head.write_export), so SentenceTransformer(out_dir) - or MultiVectorEncoder, SparseEncoder - embeds
+    as the kit does.
 
     Written into `out_dir.partial` and renamed to `out_dir` when complete (publish=False leaves it
     there for the caller to finish and publish), so a kill never leaves a model dir that looks
@@ -73,39 +72,19 @@ def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None):
                 write_adapter(os.path.join(stage, "adapter"), weights, lora, lora["base_model"], trained)
             weights = merged_state_dict(weights, lora)
             settings = {**settings, "lora": lora}
-        multi = settings.get("head") == "multi-vector"  # the token projection: MultiVectorEncoder's 1_Dense
-        dense = getattr(unwrap(model), "multi_vector" if multi else "st_dense", None)  # a Dense: its own module dir
-        prefix = "multi_vector." if multi else "st_dense."
-        dense_weights = {k[len(prefix):]: weights.pop(k) for k in list(weights) if k.startswith(prefix)}
+        embedding = settings.get("kind") == "biencoder"
+        if embedding:
+            settings = {"head": KIT_DEFAULTS["head"], **settings}
+        head = heads.get(settings["head"]) if embedding else None  # (a reranker's files: export_reranker)
+        head_weights = head.split_export(weights) if embedding else {}  # a Dense or projection: its own module dir
         dtype = str(widest_dtype(weights)).replace("torch.", "")  # (save_pretrained may empty `weights`)
         unwrap(model).save_pretrained(stage, state_dict=weights, safe_serialization=True)
         if lora:  # config.json names the first param's dtype; the merged weights are all in the widest
-            _edit_json(os.path.join(stage, "config.json"), lambda c: c.update(dtype=dtype))
+            edit_json(os.path.join(stage, "config.json"), lambda c: c.update(dtype=dtype))
         tokenizer.save_pretrained(stage)
-        if settings.get("kind") == "biencoder" and settings.get("head") == "sparse":
-            from .models import is_decoder_only
-
-            if is_decoder_only(unwrap(model).config):  # SparseEncoder 6.3 reads a causal LM otherwise (checked:
-                why = ("sentence-transformers' SparseEncoder reads a causal LM's logits otherwise (it scored a "  # zeros)
-                       "decoder's SPLADE vectors wrong when tried); the kit's tools load this dir")
-                print(f"warning: {out_dir}: no SparseEncoder files for a decoder: {why}", flush=True)
-                settings = {**settings, "sentence_transformers": {"files": False, "warnings": [why]}}
-            else:
-                write_sparse_files(stage, settings)
-                settings = {**settings, "sentence_transformers": {"files": True, "warnings": []}}
-        elif settings.get("kind") == "biencoder" and multi:
-            write_multi_vector_files(stage, settings, unwrap(model).config.hidden_size, dense.linear.out_features)
-            save_file({k: v.contiguous() for k, v in dense_weights.items()},
-                      os.path.join(stage, "1_Dense", "model.safetensors"))
-            settings = {**settings, "sentence_transformers": {"files": True, "warnings": []}}
-        elif settings.get("kind") == "biencoder":
-            warnings = write_st_files(stage, settings, unwrap(model).config.hidden_size,
-                                      dense.config() if dense is not None else None)
-            if dense is not None:
-                save_file(dense_weights, os.path.join(stage, "2_Dense", "model.safetensors"))
-            settings = {**settings, "sentence_transformers": {"files": True, "warnings": warnings}}
-            for w in warnings:
-                print(f"warning: {out_dir}: {w}", flush=True)
+        if embedding:
+            settings = {**settings, "sentence_transformers": head.write_export(stage, unwrap(model), settings,
+                                                                               head_weights, out_dir)}
         with open(os.path.join(stage, SETTINGS_FILE), "w") as f:
             json.dump(settings, f, indent=2)
         if card:
@@ -151,57 +130,13 @@ def publish_dir(out_dir):
         publish(out_dir, SETTINGS_FILE, "the export")
 
 
-def kit_only_reasons(pooling, bidirectional, head="classifier"):
-    """Why a reranker with these settings scores differently in transformers / sentence-transformers
-    (for --head lm: AutoModelForCausalLM + the template, and CrossEncoder with its LogitScore)."""
-    reasons = []
-    if pooling != "native" and head != "lm":  # an LM head reads the last token, whatever --pooling says
-        reasons.append(f"--pooling {pooling}: stock loaders run the model's own classification head "
-                       "(--pooling native), not pooled hidden states")
-    if bidirectional:
-        reasons.append("--bidirectional: stock loaders keep the decoder's causal attention")
-    return reasons
-
-
-def warn_kit_only(pooling, bidirectional, head="classifier"):
-    """Say at start-up (rank 0) why the reranker's export will score differently in the stock loaders."""
-    for reason in kit_only_reasons(pooling, bidirectional, head):
+def warn_kit_only(head, pooling, bidirectional):
+    """Say at start-up (rank 0) why the reranker's export will score differently in the stock loaders
+    (head.kit_only_reasons)."""
+    for reason in head.kit_only_reasons(pooling, bidirectional):
         if rank() == 0:
             print(f"warning: kit-only reranker: {reason}; score the export with retrieval_kit, not "
                   "AutoModelForSequenceClassification or CrossEncoder", flush=True)
-
-
-def write_lm_cross_encoder_files(out_dir, token_ids, max_length, chat=False):
-    """The sentence-transformers files (6.x layout) that make `CrossEncoder(out_dir)` score a --head lm
-    export as the kit does: its Transformer module on the causal LM ("text-generation", logits of the
-    last position, left padding), then LogitScore: logit(true) - logit(false), no activation.
-    `chat`: pairs go through the chat template's query / document roles (the "message" modality,
-    flat: each message's content a string)."""
-    text = {"method": "forward", "method_output_name": "logits"}
-    modality = {"text": text, **({"message": {**text, "format": "flat"}} if chat else {})}
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_LogitScore",
-                "type": "sentence_transformers.cross_encoder.modules.logit_score.LogitScore"}]
-    os.makedirs(os.path.join(out_dir, "1_LogitScore"), exist_ok=True)
-    files = {"modules.json": modules,
-             os.path.join("1_LogitScore", "config.json"): {"true_token_id": token_ids[0], "false_token_id": token_ids[1],
-                                                           "module_input_name": "causal_logits"},
-             "sentence_bert_config.json": {"transformer_task": "text-generation", "max_seq_length": max_length,
-                                           "modality_config": modality,
-                                           "module_output_name": "causal_logits"},
-             "config_sentence_transformers.json": {"model_type": "CrossEncoder", "activation_fn": IDENTITY,
-                                                   "prompts": {}, "default_prompt_name": None}}
-    for name, obj in files.items():
-        with open(os.path.join(out_dir, name), "w") as f:
-            json.dump(obj, f, indent=2)
-
-
-def _edit_json(path, fn):
-    with open(path) as f:
-        obj = json.load(f)
-    fn(obj)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False)
 
 
 def _tokenizer_matches(out_dir, tokenizer, layout, max_length, trust_remote_code=False):
@@ -258,63 +193,45 @@ def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False, 
     to `out_dir` as described in the module docstring; returns the settings written beside it.
     A failed write (a full disk) ends the run with one sentence.
 
-    `settings` holds pooling, bidirectional and the tokenization (prompt_template, rerank_max_length,
-    append_eos, padding_side, pad_to_multiple_of); `seq_cls` (--head lm): also write `out_dir/seq_cls`."""
+    `settings` holds the head, pooling, bidirectional and the tokenization (prompt_template,
+    rerank_max_length, append_eos, padding_side, pad_to_multiple_of); `seq_cls` (--head lm --export-seq-cls):
+    also write `out_dir/seq_cls`."""
     with writing(f"the reranker to {out_dir}", then=AFTER_EXPORT_FAILED):
         return _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card, seq_cls)
 
 
 def _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card, seq_cls):
+    settings = {"head": "classifier", **settings}  # (the default head, as train_reranker.py's)
     template, max_length = settings["prompt_template"], settings["rerank_max_length"]
-    reasons = kit_only_reasons(settings["pooling"], settings.get("bidirectional", False),
-                               settings.get("head", "classifier"))
+    head = heads.get(settings["head"])
+    reasons = head.kit_only_reasons(settings["pooling"], settings.get("bidirectional", False))
     settings = dict(settings, score_activation="identity", tokenizer_pairs=False, portable=False,
                     kit_only=reasons, lora=getattr(unwrap(net), "lora", None))
     export_model(out_dir, net, tokenizer, settings, publish=False, card=card)  # collective under FSDP2
     final, out_dir = out_dir, staging(out_dir)  # finished in the staging dir, then published
     if rank() == 0:
         layout = pair_layout(tokenizer, template, settings["append_eos"])
-        if settings.get("head") == "lm":  # CrossEncoder: the causal LM, then LogitScore on the last position
-            write_lm_cross_encoder_files(out_dir, settings["lm_token_ids"], max_length, chat=template != PAIR)
-        else:
-            _edit_json(os.path.join(out_dir, "config.json"),
-                       lambda c: c.setdefault("sentence_transformers", {}).update(activation_fn=IDENTITY))
-        _edit_json(os.path.join(out_dir, "tokenizer_config.json"), lambda c: c.update(model_max_length=max_length))
+        settings = head.write_export(out_dir, settings, tokenizer)  # the head's files for CrossEncoder / transformers
+        edit_json(os.path.join(out_dir, "tokenizer_config.json"), lambda c: c.update(model_max_length=max_length))
         if template != PAIR:  # one mechanism for every consumer: the chat template's query / document roles
             write_chat_template(out_dir, reranker_chat_template(layout, tokenizer.chat_template))
-        else:
-            if tokenizer.chat_template and settings.get("head") != "lm":  # CrossEncoder would render a pair
-                drop_chat_template(out_dir)  # through it, not as tokenizer(query, passage) (the LM head's files
-                settings["chat_template_dropped"] = True  # pin the text modality instead)
-            if settings["append_eos"]:
-                rewrite_pair_post_processor(out_dir, tokenizer, layout)
+            if layout.passage_first():  # sentence-transformers cuts a long pair otherwise (tail after the passage)
+                settings["kit_only"] = reasons = reasons + [
+                    "the template puts the passage before the query: a pair too long for --rerank-max-length is cut "
+                    "by the kit at the passage's end, by sentence-transformers' chat-template truncation elsewhere"]
+        elif settings["append_eos"]:
+            rewrite_pair_post_processor(out_dir, tokenizer, layout)
         settings["tokenizer_pairs"] = _tokenizer_matches(out_dir, tokenizer, layout, max_length, trust_remote_code)
         if not settings["tokenizer_pairs"]:
             settings["kit_only"] = reasons + [f"{type(tokenizer).__name__}: could not make the exported tokenizer "
                                               "reproduce the trained input; score with retrieval_kit"]
         settings["portable"] = not settings["kit_only"]
-        if seq_cls:
-            settings["seq_cls"] = write_seq_cls(out_dir, settings, trust_remote_code)
+        settings = head.finish_export(out_dir, settings, trust_remote_code, seq_cls)  # lm: seq_cls/
         with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
             json.dump(settings, f, indent=2)
     publish_dir(final)
     barrier()
     return settings
-
-
-def write_chat_template(out_dir, template):
-    """`template` as the dir's chat template (chat_template.jinja, which transformers reads first)."""
-    with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
-        f.write(template)
-    _edit_json(os.path.join(out_dir, "tokenizer_config.json"), lambda c: c.pop("chat_template", None))
-
-
-def drop_chat_template(out_dir):
-    """No chat template in the dir: sentence-transformers then encodes a pair as `tokenizer(query, passage)`."""
-    for name in ("chat_template.jinja", "chat_template.json"):
-        if os.path.isfile(os.path.join(out_dir, name)):
-            os.remove(os.path.join(out_dir, name))
-    _edit_json(os.path.join(out_dir, "tokenizer_config.json"), lambda c: c.pop("chat_template", None))
 
 
 def rewrite_pair_post_processor(out_dir, tokenizer, layout):
@@ -330,79 +247,30 @@ def rewrite_pair_post_processor(out_dir, tokenizer, layout):
     # a model-specific tokenizer class may rebuild its post-processor on load (BertTokenizer does):
     # the generic fast class reads tokenizer.json as written
     names = list(tokenizer.model_input_names)
-    _edit_json(os.path.join(out_dir, "tokenizer_config.json"),
-               lambda c: c.update(tokenizer_class="PreTrainedTokenizerFast", model_input_names=names))
-
-
-def write_seq_cls(out_dir, settings, trust_remote_code=False):
-    """Beside a --head lm export in `out_dir`: `out_dir/seq_cls`, the same network as a
-    *ForSequenceClassification with one logit whose weight row is W[true] - W[false] of the LM head
-    (and its bias likewise), so that logit is the kit's score at the last real token. Transformers'
-    seq-cls models read the last token that is not the pad token: refused (a reason returned) when
-    the pairs end in the pad token. Loads the written LM once more on this process (CPU)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-    yes, no = settings["lm_token_ids"]
-    lm = AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=trust_remote_code)
-    config = AutoConfig.from_pretrained(out_dir, trust_remote_code=trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(out_dir, trust_remote_code=trust_remote_code)
-    layout = pair_layout(tokenizer, settings["prompt_template"], settings["append_eos"])
-    last = layout.encode_pairs(["q"], ["p"], None)[0][0][-1]
-    pad = tokenizer.pad_token_id
-    if pad is None or last == pad:
-        return {"written": False, "reason": f"pairs end in the pad token (id {last}): a seq-cls model would not find "
-                                            "the last real token"}
-    config.num_labels, config.pad_token_id = 1, pad
-    config.architectures = None
-    config.sentence_transformers = {"activation_fn": IDENTITY}
-    try:
-        seq = AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code,
-                                                             dtype=lm.dtype)
-    except ValueError as e:  # an architecture transformers has no sequence-classification class for
-        print(f"warning: --export-seq-cls: not written: {str(e).splitlines()[0]}", flush=True)
-        return {"written": False, "reason": str(e).splitlines()[0]}
-    head = lm.get_output_embeddings()
-    base = getattr(lm, lm.base_model_prefix)
-    getattr(seq, seq.base_model_prefix).load_state_dict(base.state_dict())  # strict: every weight, same names
-    score = seq.score if hasattr(seq, "score") else seq.get_output_embeddings()
-    with torch.no_grad():
-        score.weight.copy_((head.weight[yes] - head.weight[no]).unsqueeze(0))
-        if getattr(head, "bias", None) is not None:
-            if getattr(score, "bias", None) is None:
-                return {"written": False, "reason": "the LM head has a bias and the seq-cls head none"}
-            score.bias.copy_((head.bias[yes] - head.bias[no]).view(1))
-    dest = os.path.join(out_dir, "seq_cls")
-    seq.save_pretrained(dest, safe_serialization=True)
-    tokenizer.save_pretrained(dest)
-    with open(os.path.join(dest, SETTINGS_FILE), "w") as f:
-        json.dump({**settings, "head": "classifier", "pooling": "native", "lm_token_ids": None,
-                   "seq_cls_of": {"true_token_id": yes, "false_token_id": no}}, f, indent=2)
-    return {"written": True, "dir": "seq_cls"}
-
-
-def rerank_layout(tokenizer, settings):
-    """The layout to score with: the saved template (an export's tokenizer renders it as training did)."""
-    return pair_layout(tokenizer, settings.get("prompt_template", PAIR), settings.get("append_eos", False))
+    edit_json(os.path.join(out_dir, "tokenizer_config.json"),
+              lambda c: c.update(tokenizer_class="PreTrainedTokenizerFast", model_input_names=names))
 
 
 def load_exported_reranker(model_dir, dtype=torch.float32, trust_remote_code=False):
-    """(CrossEncoder in eval mode, tokenizer, settings) from a train_reranker.py export, with the
+    """(the head's scorer in eval mode, tokenizer, settings) from a train_reranker.py export, with the
     saved padding side, pooling and attention direction applied."""
     from transformers import AutoTokenizer
 
-    from .models import CrossEncoder, load_lm_reranker, load_reranker, make_bidirectional, setup_pad_token
+    from .models import make_bidirectional, setup_pad_token
 
     settings = load_settings(model_dir)
-    if settings.get("kind", "reranker") != "reranker":
-        raise SystemExit(f"{model_dir}: a {settings['kind']} export (its {SETTINGS_FILE}), not a reranker: pass the "
-                         "dir train_reranker.py exported")
+    if settings.get("kind") != "reranker":
+        raise SystemExit(f"{model_dir}: " + (f"a {settings['kind']} export (its {SETTINGS_FILE}), not a reranker" if
+                                             settings.get("kind") else f"not an export of train_reranker.py (no "
+                                             f"{SETTINGS_FILE} saying how it scores pairs)") +
+                         ": pass the dir train_reranker.py exported")
+    head = heads.get(settings.get("head", "classifier"))
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if settings.get("padding_side"):
         tokenizer.padding_side = settings["padding_side"]
-    lm = settings.get("head") == "lm"  # a causal LM scored by its LM head
-    net = (load_lm_reranker if lm else load_reranker)(model_dir, dtype, trust_remote_code)
+    net = head.load(model_dir, dtype, trust_remote_code=trust_remote_code)
     setup_pad_token(tokenizer, net)
     if settings.get("bidirectional"):
         make_bidirectional(net)
-    model = CrossEncoder(net, settings.get("pooling", "native"), settings.get("lm_token_ids") if lm else None)
+    model = head.scorer(net, settings.get("pooling", "native"), settings.get("lm_token_ids"))
     return model.eval(), tokenizer, settings

@@ -242,19 +242,20 @@ def validate_groups(model, records, n_passages, batch_size, ctx, score):
 
 
 def biencoder_group_scores(model, queries, groups, *, collate, temperature, device, autocast_dtype=None,
-                           mask_duplicates=True):
+                           mask_duplicates=True, scores=contrastive_scores):
     """validate_groups' `score` for a bi-encoder: each query against its own group only -> ((b, n)
-    similarity scores, mean InfoNCE); with `mask_duplicates`, a copy of the positive among its
-    group's negatives scores -inf (as in training: out of the softmax, no tie against the positive)."""
+    similarity scores by the head's `scores`, mean InfoNCE); with `mask_duplicates`, a copy of the
+    positive among its group's negatives scores -inf (as in training: out of the softmax, no tie
+    against the positive)."""
     n = len(groups[0])
     inputs, targets = split_batch(to_device(collate(queries, groups), device))  # model inputs | p_keys
     with precision.autocast(device.type, autocast_dtype):
         out = model(**inputs)
     mask = duplicate_mask(targets["p_keys"], n, in_batch=False) if mask_duplicates else None
-    scores = contrastive_scores(out["q"].float(), out["p"].float(), n, in_batch=False)
+    logits = scores(out["q"].float(), out["p"].float(), n, in_batch=False)
     if mask is not None:
-        scores = scores.masked_fill(mask, float("-inf"))
-    return scores, contrastive_loss(out["q"], out["p"], n, temperature, in_batch=False, mask=mask)
+        logits = logits.masked_fill(mask, float("-inf"))
+    return logits, contrastive_loss(out["q"], out["p"], n, temperature, in_batch=False, mask=mask, scores=scores)
 
 
 def reranker_group_scores(model, queries, groups, *, collate, device, autocast_dtype=None):

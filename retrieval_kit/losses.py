@@ -1,6 +1,8 @@
-"""Losses: contrastive InfoNCE for bi-encoders (Matryoshka as a wrapper around it); listwise CE and
-pointwise BCE for rerankers; the KL distillation term for either, from teacher scores; and each
-script's step loss composed from them (biencoder_loss, reranker_loss), by keyword.
+"""Losses: contrastive InfoNCE for bi-encoders over a head's scores (Matryoshka as a wrapper around
+it); listwise CE and pointwise BCE for rerankers; the KL distillation term for either, from teacher
+scores; and each script's step loss composed from them (biencoder_loss, reranker_loss), by keyword.
+Pure maths: the gathers across ranks are the caller's (dist's, passed in), a head's scores and
+regularizer too (retrieval_kit/heads/).
 
 Layout: q is (B, H); p is (B * n_passages, H) query-major, so the positive of query i is row
 i * n_passages and rows i * n_passages + 1 .. are its hard negatives. With in-batch negatives
@@ -14,64 +16,14 @@ When p holds passages gathered from all ranks, this rank's queries start at glob
 import torch
 import torch.nn.functional as F
 
-from . import dist
 from .metrics import top1
 
 
-MAXSIM_BLOCK = 1 << 22  # elements of one block of token-pair similarities (16 MiB in fp32)
-
-
-def maxsim_blocks(n_queries, q_width, n_passages, p_width, budget=MAXSIM_BLOCK):
-    """[(start, end)] ranges of passages scored together by maxsim, each block's (queries, passages,
-    query tokens, passage tokens) similarity tensor at most `budget` elements (at least one passage)."""
-    step = max(1, budget // max(1, n_queries * q_width * p_width))
-    return [(s, min(s + step, n_passages)) for s in range(0, n_passages, step)]
-
-
-def _maxsim_block(qv, q_mask, p):
-    pv, pad = p[..., :-1].float(), p[..., -1] == 0  # (a bf16-stored corpus: one block in fp32)
-    sim = torch.einsum("aqd,bkd->abqk", qv, pv).masked_fill(pad[None, :, None, :], -1e4)
-    return (sim.amax(-1) * q_mask[:, None, :]).sum(-1)  # (Q, block)
-
-
-def maxsim(q, p, budget=MAXSIM_BLOCK):
-    """Late-interaction (ColBERT) scores in fp32: for each query token the best dot product with any of
-    the passage's tokens, summed over the query's tokens; (Q, P). q: (Q, Wq, d + 1), p: (P, Wp, d + 1),
-    token vectors with the token mask as the last channel (models.token_vectors): a query's padding adds
-    nothing, a passage's padding never wins. Columns that are padding in every row are dropped first;
-    then blocks of passages (maxsim_blocks) are scored one at a time, and under autograd each block is
-    recomputed in the backward (activation checkpointing) instead of kept: the (Q, P, Wq, Wp)
-    similarities never exist at once, in the forward or the backward."""
-    from torch.utils.checkpoint import checkpoint
-
-    with torch.autocast(q.device.type, enabled=False):
-        q, p = q[:, q[..., -1].any(0)], p[:, p[..., -1].any(0)]
-        qv, q_mask = q[..., :-1].float(), q[..., -1].float()
-        grad = torch.is_grad_enabled() and (q.requires_grad or p.requires_grad)
-        out = [checkpoint(_maxsim_block, qv, q_mask, p[s:e], use_reentrant=False) if grad
-               else _maxsim_block(qv, q_mask, p[s:e])
-               for s, e in maxsim_blocks(q.shape[0], q.shape[1], p.shape[0], p.shape[1], budget)]
-        return torch.cat(out, dim=1) if out else qv.new_zeros((q.shape[0], 0))
-
-
-def maxsim_pairs(q, p):
-    """maxsim of each (q[i], p[i]) pair: (N,) fp32, from (N, Wq, d + 1) and (N, Wp, d + 1) token vectors."""
-    with torch.autocast(q.device.type, enabled=False):
-        sim = torch.einsum("nqd,nkd->nqk", q[..., :-1].float(), p[..., :-1].float())
-        sim = sim.masked_fill((p[..., -1] == 0)[:, None, :], -1e4)
-        return (sim.amax(-1) * q[..., -1].float()).sum(-1)
-
-
 def contrastive_scores(q, p, n_passages, in_batch=True):
-    """Similarity logits in fp32, whatever the embeddings' dtype and any autocast around the call
-    (bf16 scores near cos 0.9 step by 0.004, a logit step of 0.08 at temperature 0.05):
-    (B, P) with in-batch negatives, (B, n_passages) without. Token vectors ((rows, W, d + 1), --head
-    multi-vector) are scored by maxsim."""
-    if q.dim() == 3:
-        if in_batch:
-            return maxsim(q, p)
-        groups = p.view(q.shape[0], n_passages, *p.shape[1:])
-        return torch.cat([maxsim(q[i:i + 1], groups[i]) for i in range(q.shape[0])])  # (B, n)
+    """Inner-product similarity logits in fp32, whatever the embeddings' dtype and any autocast around
+    the call (bf16 scores near cos 0.9 step by 0.004, a logit step of 0.08 at temperature 0.05):
+    (B, P) with in-batch negatives, (B, n_passages) without. The `scores` of one-vector and sparse
+    heads; another head passes its own (heads/multi_vector.scores: MaxSim)."""
     with torch.autocast(q.device.type, enabled=False):
         q, p = q.float(), p.float()
         if in_batch:
@@ -97,10 +49,12 @@ def duplicate_mask(p_keys, n_passages, in_batch=True, label_offset=0, all_keys=N
     return mask
 
 
-def contrastive_loss(q, p, n_passages, temperature=0.05, in_batch=True, label_offset=0, mask=None):
+def contrastive_loss(q, p, n_passages, temperature=0.05, in_batch=True, label_offset=0, mask=None,
+                     scores=contrastive_scores):
     """Mean InfoNCE over the B queries in q; see the module docstring for the layout. `mask`
-    (duplicate_mask): candidates left out of each query's softmax."""
-    scores = contrastive_scores(q, p, n_passages, in_batch) / temperature
+    (duplicate_mask): candidates left out of each query's softmax; `scores`: the head's
+    (contrastive_scores, the inner product, unless the head scores otherwise)."""
+    scores = scores(q, p, n_passages, in_batch) / temperature
     if mask is not None:
         scores = scores.masked_fill(mask, float("-inf"))
     if in_batch:
@@ -178,10 +132,10 @@ def matryoshka(loss, dims, weights, normalize=True):
 
 
 def matryoshka_loss(q, p, n_passages, dims, weights, normalize, temperature=0.05, in_batch=True, label_offset=0,
-                    mask=None):
+                    mask=None, scores=contrastive_scores):
     """contrastive_loss summed over Matryoshka prefixes (matryoshka(contrastive_loss, ...))."""
     return matryoshka(contrastive_loss, dims, weights, normalize)(q, p, n_passages, temperature, in_batch,
-                                                                  label_offset, mask)
+                                                                  label_offset, mask, scores)
 
 
 def matryoshka_plan(dims, weights, hidden_size):
@@ -201,63 +155,43 @@ def matryoshka_plan(dims, weights, hidden_size):
     return dims, weights
 
 
-class Flops:
-    """--head sparse's FLOPS regularizer (Paria et al. 2020; SPLADE, Formal et al. 2021): the sum over the
-    vocabulary of the squared mean weight of each dimension over the batch, for queries and documents
-    apart, weighted by `weights` (query, document) that rise quadratically from 0 over the first
-    `warmup` optimizer steps (sentence-transformers' SpladeRegularizerWeightSchedulerCallback; `state`:
-    the loop state, read at each call). `count_scale`: 1 / (ranks x micro-batches), so the logged
-    totals are the step's means."""
-
-    def __init__(self, weights, warmup, state, count_scale=1.0):
-        self.weights, self.warmup, self.state, self.count_scale = weights, warmup, state, count_scale
-
-    def __call__(self, q, p):
-        """(weighted regularizer, {name: 0-d tensor}) of the batch's (gathered) vectors."""
-        ramp = min(1.0, self.state.step / self.warmup) ** 2 if self.warmup else 1.0
-        fq, fd = (q.float().mean(0) ** 2).sum(), (p.float().mean(0) ** 2).sum()
-        counts = {"flops_q": fq.detach(), "flops_d": fd.detach(), "flops_weight_ramp": torch.tensor(ramp),
-                  "active_dims_q": (q.detach() != 0).sum(1).float().mean(),
-                  "active_dims_d": (p.detach() != 0).sum(1).float().mean()}
-        value = ramp * (self.weights[0] * fq + self.weights[1] * fd)
-        return value, {k: v.to(q.device) * self.count_scale for k, v in counts.items()}
-
-
 # ----- the loss_fn of a training step: (model outputs, **targets) -> (loss, top-1 accuracy, counts) ---
 
-def biencoder_loss(out, *, n_passages, temperature=0.05, in_batch=True, gather=False, label_offset=0,
-                   contrastive=contrastive_loss, mask_duplicates=True, distill_weight=0.0, teacher_temperature=1.0,
-                   teacher=None, p_keys=None, flops=None):
-    """The bi-encoder's step loss: `contrastive` (InfoNCE, or matryoshka(contrastive_loss, ...)) of
-    this rank's queries against its passages - every rank's with `gather` (then pass
+def biencoder_loss(out, *, n_passages, temperature=0.05, in_batch=True, gather=None, gather_with_grad=None,
+                   label_offset=0, contrastive=contrastive_loss, scores=contrastive_scores, mask_duplicates=True,
+                   distill_weight=0.0, teacher_temperature=1.0, teacher=None, p_keys=None, regularizer=None):
+    """The bi-encoder's step loss: `contrastive` (InfoNCE, or matryoshka(contrastive_loss, ...)) over the
+    head's `scores` of this rank's queries against its passages - every rank's when the caller passes
+    the gathers (`gather_with_grad`, keeping the graph, and `gather`, without: dist's; then pass
     `label_offset` = rank * B * n_passages) - each query's own positive left out of its negatives
     wherever its text appears again (`mask_duplicates`, from the batch's `p_keys`); plus
     distill_weight x KL(teacher || model) over each query's own group (in-batch negatives have no
-    teacher score), the teacher at `teacher_temperature`, the model at `temperature`; plus `flops`
-    (--head sparse: a Flops regularizer) of every rank's queries and passages (gathered with `gather`).
+    teacher score), the teacher at `teacher_temperature`, the model at `temperature`; plus the head's
+    `regularizer` (sparse: FLOPS) of every rank's queries and passages.
     Returns (loss, each query's top-1 accuracy (ties count against the positive),
     {"duplicates_masked": candidates left out, and the regularizer's counts})."""
     q, p = out["q"], out["p"]
-    p_all = dist.gather_with_grad(p) if gather else p  # (W*B*n, H); grads flow back to each rank
+    gathered = gather_with_grad is not None
+    p_all = gather_with_grad(p) if gathered else p  # (W*B*n, H); grads flow back to each rank
     mask = None
     if mask_duplicates and p_keys is not None:
         mask = duplicate_mask(p_keys, n_passages, in_batch, label_offset,
-                              dist.gather(p_keys) if gather and in_batch else None)
-    loss = contrastive(q, p_all, n_passages, temperature, in_batch, label_offset, mask)
+                              gather(p_keys) if gathered and in_batch else None)
+    loss = contrastive(q, p_all, n_passages, temperature, in_batch, label_offset, mask, scores=scores)
     if teacher is not None and distill_weight > 0:
-        own = contrastive_scores(q, p, n_passages, in_batch=False)  # (B, n)
+        own = scores(q, p, n_passages, in_batch=False)  # (B, n)
         loss = loss + distill_weight * distill_kl(own, teacher, temperature, teacher_temperature)
     extra = {}
-    if flops is not None:
-        reg, extra = flops(dist.gather_with_grad(q) if gather else q, p_all)
+    if regularizer is not None:
+        reg, extra = regularizer(gather_with_grad(q) if gathered else q, p_all)
         loss = loss + reg
     with torch.no_grad():
-        scores = contrastive_scores(q, p_all, n_passages, in_batch)
+        logits = scores(q, p_all, n_passages, in_batch)
         if mask is not None:
-            scores = scores.masked_fill(mask, float("-inf"))
-        target = label_offset + torch.arange(len(q), device=scores.device) * n_passages if in_batch else 0
-        masked = mask.sum() if mask is not None else torch.zeros((), device=scores.device)
-        return loss, top1(scores, target), {"duplicates_masked": masked, **extra}
+            logits = logits.masked_fill(mask, float("-inf"))
+        target = label_offset + torch.arange(len(q), device=logits.device) * n_passages if in_batch else 0
+        masked = mask.sum() if mask is not None else torch.zeros((), device=logits.device)
+        return loss, top1(logits, target), {"duplicates_masked": masked, **extra}
 
 
 def reranker_loss(out, *, n_passages, loss=listwise_loss, distill_weight=0.0, teacher_temperature=1.0, teacher=None):

@@ -11,9 +11,8 @@ and up to `k` of the rest are kept, best first.
 import numpy as np
 import torch
 
-from .collate import maxsim_sides
-from .losses import maxsim_pairs
-from .search import exact_topk, maxsim_topk, sharded_topk, sparse_topk
+from .heads import single_vector
+from .search import sharded_topk
 from .textstore import DigestIndex, digest
 
 
@@ -68,7 +67,7 @@ def mine_hard_negatives(q_emb, p_emb, positives, k, skip_top=0, max_score_ratio=
 
 
 def mine_sharded(q_own, q_ids, p_shard, p_ids, n_total, positives, k, skip_top=0, max_score_ratio=0.95,
-                 p_texts=None, depth=None, block=4096, device="cpu", on_round=None):
+                 p_texts=None, depth=None, block=4096, device="cpu", on_round=None, head=single_vector):
     """mine_hard_negatives with queries and corpus both split over the ranks, as evaluation searches:
     each rank holds only its share of the query embeddings (`q_own`, the queries numbered `q_ids`)
     and of the passage embeddings (`p_shard`, the passages numbered `p_ids` of the n_total; both
@@ -80,7 +79,8 @@ def mine_sharded(q_own, q_ids, p_shard, p_ids, n_total, positives, k, skip_top=0
     everything, in the same order (ties by passage index). Embeddings held per rank: its two shares
     and one round's queries. `on_round(query numbers, their negatives)`, when given, is called on every
     rank after each round with that round's results for this rank's queries (main() saves them, so a
-    killed run searches only what is left)."""
+    killed run searches only what is left). `head`: the model's (heads/): how its stored rows are
+    scored (pair_scores) and searched (search)."""
     import torch.distributed as tdist
 
     from .dist import rank as get_rank, world_size
@@ -95,18 +95,9 @@ def mine_sharded(q_own, q_ids, p_shard, p_ids, n_total, positives, k, skip_top=0
     if world > 1:
         tdist.all_reduce(shape, op=tdist.ReduceOp.MAX)
     most, row_shape = int(shape[0]), [int(x) for x in shape[1:] if x]
-    tokens = len(row_shape) == 2  # --head multi-vector: (queries, width, dim + 1) token vectors, MaxSim
-    sparse = p_shard.is_sparse  # --head sparse: the passages as their non-zeros; a round's queries made dense
-    flag = torch.tensor([float(sparse)], device=device)
-    if world > 1:
-        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
-    sparse = bool(flag.item())
     out = []
-    for start in range(0, most, block):
-        if q_own.is_sparse:  # (this rank's rows of the round; a rank may have fewer queries than `start`)
-            q = q_own.index_select(0, torch.arange(start, max(start, min(start + block, q_own.shape[0])))).to_dense()
-        else:
-            q = q_own[start:start + block]
+    for start in range(0, most, block):  # (this rank's rows of the round; a rank may have fewer queries than `start`)
+        q = head.as_dense(head.select(q_own, torch.arange(start, max(start, min(start + block, q_own.shape[0])))))
         ids = q_ids[start:start + block]
         sizes = [q.shape[0]]
         if world > 1:
@@ -128,15 +119,13 @@ def mine_sharded(q_own, q_ids, p_shard, p_ids, n_total, positives, k, skip_top=0
         here = cols >= 0  # positives held by this rank
         best = torch.full((len(ids),), float("-inf"))
         if here.any():
-            own = p_shard.index_select(0, cols[here]).to_dense() if p_shard.is_sparse else p_shard[cols[here]]
-            pair = maxsim_pairs(q[rows[here]], own) if tokens else (q[rows[here]] * own).sum(-1)
+            pair = head.pair_scores(q[rows[here]], head.as_dense(head.select(p_shard, cols[here])))
             best.scatter_reduce_(0, rows[here], pair, reduce="amax")
         if world > 1:
             best = best.to(device)
             tdist.all_reduce(best, op=tdist.ReduceOp.MAX)
             best = best.cpu()
-        top = by_score_then_id(*sharded_topk(q, p_shard, p_ids, depth, n_total, device,
-                                             search=maxsim_topk if tokens else sparse_topk if sparse else exact_topk))
+        top = by_score_then_id(*sharded_topk(q, p_shard, p_ids, depth, n_total, device, search=head.search))
         a = sum(sizes[:me])
         b = a + sizes[me]
         negs = filter_candidates(top[0][a:b], top[1][a:b], [positives[i] for i in ids[a:b].tolist()], best[a:b], k,
@@ -243,9 +232,9 @@ def main(argv=None):
     from .encode import encode_blocks
     from .score import MANIFEST, check_parts, model_digest
     from . import cli
-    from .evaluate import biencoder_settings
+    from .evaluate import load_biencoder
     from .formats import file_digest, read_corpus
-    from .models import default_model_dir, load_encoder, load_tokenizer, prepare_embedder
+    from .models import default_model_dir
 
     ap = cli.KitParser(description=main.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", required=True, help="training JSONL (any format the scripts read) whose queries and "
@@ -291,11 +280,9 @@ def main(argv=None):
     flat = iter(texts.positions([p for r in records for p in r.pos]))
     positives = [[next(flat) for _ in range(n)] for n in n_pos]
     model_dir = args.model or default_model_dir()
-    s = biencoder_settings(model_dir, vars(args))
-    tok = load_tokenizer(model_dir)
-    enc = load_encoder(model_dir).to(ctx.device)
-    precision.autocast_forward(enc, ctx.device.type, precision.parse_dtype(args.compute_dtype))
-    prepare_embedder(tok, enc, s)  # a decoder: pad token, left padding, EOS for last pooling
+    enc, tok, s, head = load_biencoder(model_dir, vars(args), device=ctx.device,
+                                       compute_dtype=precision.parse_dtype(args.compute_dtype))
+    cli.head_flags(args, head.NAME, f"{model_dir} (the model's)")
     parts = args.out + ".parts"
     manifest = {"input": os.path.abspath(args.input), "input_digest": records.digest or file_digest(args.input),
                 **{f"{k}_digest": c.digest or file_digest(c.path) for k, c in (("corpus", corpus), ("candidates", cand))
@@ -309,16 +296,14 @@ def main(argv=None):
     if ctx.is_main:
         check_parts(parts, manifest)
     dist.barrier()
-    pooling = {"multi-vector": "tokens", "sparse": "sparse"}.get(s.get("head"), s["pooling"])  # MaxSim / sparse search
     with flags.writing(args.out, then=f"the blocks encoded so far are kept in {parts}: free space, then run the "
                                       "same command again"):
-        sides = maxsim_sides(tok, s)  # --head multi-vector: query expansion, the passages' skiplist
+        sides = head.sides(tok, s)  # multi-vector: query expansion, the passages' skiplist
         p_shard, p_ids = encode_blocks(enc, tok, texts, s["passage_max_length"], s["passage_prefix"], args.batch_size,
-                                       pooling, s["normalize"], ctx.device, parts, "passages", args.block_size,
-                                       ctx.is_main, sides["p"])
+                                       ctx.device, parts, "passages", args.block_size, ctx.is_main, sides["p"], head, "p")
         q_own, q_ids = encode_blocks(enc, tok, [r.query for r in records], s["query_max_length"], s["query_prefix"],
-                                     args.batch_size, pooling, s["normalize"], ctx.device, parts, "queries",
-                                     args.block_size, ctx.is_main, sides["q"])
+                                     args.batch_size, ctx.device, parts, "queries", args.block_size, ctx.is_main,
+                                     sides["q"], head, "q")
     dist.print0(f"candidates: {len(texts):,} passages, each rank encoding and searching its blocks of them for "
                 f"its blocks of the {len(records):,} queries ({ctx.world_size} rank{'s' if ctx.world_size > 1 else ''}"
                 f"; blocks of {args.block_size:,} in {parts}, kept until the file is written)")
@@ -328,12 +313,12 @@ def main(argv=None):
         dist.print0(f"the negatives of {len(done):,} of the {len(records):,} queries were saved in {parts} by an "
                     "earlier run: searching for the rest")
         left = torch.tensor([i not in done for i in q_ids.tolist()], dtype=torch.bool)
-        q_own, q_ids = q_own[left], q_ids[left]
+        q_own, q_ids = head.select(q_own, left.nonzero().view(-1)), q_ids[left]
     with flags.writing(args.out, then=f"the blocks encoded and the rounds searched so far are kept in {parts}: free "
                                       "space, then run the same command again"):
         negs = mine_sharded(q_own, q_ids, p_shard, p_ids, len(texts), positives, args.k, args.skip_top,
                             args.max_score_ratio if args.max_score_ratio > 0 else None, texts.keys, args.depth,
-                            args.query_block, ctx.device, functools.partial(save_negatives, parts))
+                            args.query_block, ctx.device, functools.partial(save_negatives, parts), head)
     negs = list(zip(q_ids.tolist(), negs)) + (list(done.items()) if ctx.is_main else [])
     if ctx.world_size > 1:  # rank 0 writes every rank's queries' negatives, in query order
         got = [None] * ctx.world_size

@@ -1,4 +1,8 @@
-"""Load an HF encoder, pool its hidden states, normalize.
+"""Backbones: load a plain Hugging Face model dir (encoder or decoder, in a storage dtype, on the meta
+device for FSDP2), its tokenizer, and what a decoder needs (a pad token, left padding, EOS, bidirectional
+attention); pooling of hidden states; a sentence-transformers Dense layer. What a kind of model adds on
+top - its head, its representation, its export - is retrieval_kit/heads/; what a dir declares is read by
+st_format and passed in.
 
 Pooling modes:
   avg  - mean over non-pad tokens
@@ -9,10 +13,8 @@ Pooling modes:
 import os
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModel
 
-from .chunking import Chunked, run_chunked
 
 POOLING_MODES = ("avg", "cls", "last")
 
@@ -49,23 +51,43 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voca
                    "spiece.model", "sentencepiece.bpe.model", "merges.txt")
 
 
-def load_tokenizer(path, trust_remote_code=False):
+def load_tokenizer(path, trust_remote_code=False, markers=()):
     """AutoTokenizer from `path`; one sentence if it cannot load, or if the dir holds no tokenizer
-    file at all (transformers then builds an empty vocabulary: every word would be [UNK]). A PyLate or
-    Stanford ColBERT dir's markers are made whole tokens (st_format.register_markers)."""
+    file at all (transformers then builds an empty vocabulary: every word would be [UNK]). `markers`: a
+    PyLate or Stanford ColBERT dir's prefix markers (its spec's, st_format.read_spec), made whole tokens
+    (register_markers)."""
     from transformers import AutoTokenizer
 
     if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, n)) for n in TOKENIZER_FILES):
         raise SystemExit(f"{path}: cannot load the tokenizer (the dir holds none of {', '.join(TOKENIZER_FILES[:4])}, "
                          "...; transformers would build an empty vocabulary)")
-    from .st_format import read_multi_vector, register_markers
-
     with loading(path, "tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    multi = read_multi_vector(path) if os.path.isdir(path) else None
-    if multi and multi["markers"]:  # a PyLate / Stanford ColBERT dir: its [Q] / [D] markers stay whole tokens
-        register_markers(tokenizer, multi["markers"])
+    if markers:  # a PyLate / Stanford ColBERT dir: its [Q] / [D] markers stay whole tokens
+        register_markers(tokenizer, markers)
     return tokenizer
+
+
+def register_markers(tokenizer, markers):
+    """Make prefix markers ("[Q] ", "[unused0] ") single tokens when the tokenizer knows them but would
+    split them, as MultiVectorEncoder does on loading a PyLate or Stanford ColBERT dir: each marker (or its
+    first word) that is in the vocabulary or an added token, and does not tokenize to itself, becomes a
+    special token that is not normalized. Prepending the marker as text then gives the ids PyLate
+    inserted. Returns the tokens registered."""
+    from tokenizers import AddedToken
+
+    added, vocab = set(tokenizer.added_tokens_encoder), tokenizer.get_vocab()
+    todo = []
+    for value in markers:
+        for token in (value, value.split(None, 1)[0] if value.split() else value):
+            if token not in added and token not in vocab:
+                continue
+            if tokenizer.tokenize(token) != [token]:
+                todo.append(AddedToken(token, normalized=False, special=True))
+            break
+    if todo:
+        tokenizer.add_special_tokens({"additional_special_tokens": todo})
+    return [t.content for t in todo]
 
 
 def attn_kwargs(attn_implementation):
@@ -117,131 +139,8 @@ class STDense(torch.nn.Module):
                 "bias": self.linear.bias is not None, "activation_function": self.activation_function}
 
 
-def attach_st_dense(model, path, dtype=None, meta=False):
-    """The model dir's sentence-transformers Dense module (st_format.read_st_dense), if it has one,
-    as `model.st_dense` with its weights (on the meta device with `meta`)."""
-    from .st_format import read_st_dense
-
-    spec = read_st_dense(path)
-    if spec is None:
-        return model
-    args = [spec[k] for k in ("in_features", "out_features", "bias", "activation_function")]
-    if meta:
-        with torch.device("meta"):
-            dense = STDense(*args)
-    else:
-        dense = STDense(*args)
-        weights = os.path.join(spec["path"], "model.safetensors")
-        if os.path.isfile(weights):
-            from safetensors.torch import load_file
-
-            state = load_file(weights)
-        else:
-            state = torch.load(os.path.join(spec["path"], "pytorch_model.bin"), weights_only=True, map_location="cpu")
-        dense.load_state_dict(state)
-    model.st_dense = dense.to(dtype) if dtype is not None else dense
-    return model
-
-
-def attach_multi_vector(model, dim, seed=0, meta=False, path=None):
-    """--head multi-vector: a bias-free linear projection of every token's state to `dim`, as
-    `model.multi_vector` (an STDense with no activation: sentence-transformers' token-level Dense of a
-    MultiVectorEncoder), trained with the encoder and riding on the Hugging Face model as st_dense does.
-    A dir `path` that brings one (MultiVectorEncoder, PyLate, Stanford ColBERT: st_format.read_multi_vector) gives
-    its size and weights;
-    else the init is torch's nn.Linear init drawn from a generator seeded by `seed`: the same on every
-    rank and in every world size."""
-    from .st_format import read_multi_vector
-
-    hidden = model.config.hidden_size
-    spec = read_multi_vector(path) if path else None
-    if spec is not None:
-        dim = spec["out_features"]
-    with torch.device("meta" if meta else "cpu"):
-        dense = STDense(hidden, dim, bias=False, activation_function="torch.nn.modules.linear.Identity")
-    if not meta:
-        if spec is not None:
-            from safetensors import safe_open
-
-            with safe_open(os.path.join(spec["path"], "model.safetensors"), "pt") as f:  # (Stanford: among the model's)
-                dense.load_state_dict({"linear.weight": f.get_tensor(spec["key"])})
-        else:
-            bound = 1.0 / hidden ** 0.5  # nn.Linear's kaiming_uniform(a=sqrt(5)) bound, from a fixed generator
-            gen = torch.Generator().manual_seed(seed)
-            with torch.no_grad():
-                dense.linear.weight.uniform_(-bound, bound, generator=gen)
-    dtype = next(model.parameters()).dtype
-    model.multi_vector = dense.to(dtype)
-    return model
-
-
-def token_vectors(model, batch, width=None):
-    """--head multi-vector: each token's state through `model.multi_vector`, L2-normalized, in fp32:
-    (B, width, dim + 1), the last channel the token mask (1 = a token MaxSim scores, 0 = padding; the
-    batch's "maxsim_mask" where collate.MaxSimSide made one: query expansion, a skiplist), padded with
-    zero rows to `width` (None: the batch's own) so chunks and ranks concatenate."""
-    extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
-    hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).last_hidden_state
-    dense = model.multi_vector
-    vec = F.normalize(dense(hidden.to(dense.linear.weight.dtype)).float(), dim=-1)
-    mask = batch.get("maxsim_mask", batch["attention_mask"]).to(vec.dtype).unsqueeze(-1)
-    out = torch.cat([vec * mask, mask], dim=-1)
-    if width is not None:
-        if out.shape[1] > width:
-            raise ValueError(f"a batch {out.shape[1]} tokens wide; the multi-vector width is {width}")
-        out = F.pad(out, (0, 0, 0, width - out.shape[1]))
-    return out
-
-
-class LateInteraction(torch.nn.Module):
-    """--head multi-vector's model: encoder + token projection as one module (one forward per
-    backward, as BiEncoder): `model(q=q_batch, p=p_batch)` -> {"q": (B, Wq, dim + 1), "p": (B * n,
-    Wp, dim + 1)} (token_vectors), each name padded to its width in `widths` ({name: tokens}; others:
-    their batch's own). A batch is a tokenized dict or a chunking.Chunked."""
-
-    def __init__(self, encoder, widths=None):
-        super().__init__()
-        self.encoder, self.widths = encoder, dict(widths or {})
-
-    def embed(self, batch, width=None):
-        if isinstance(batch, Chunked):
-            width = width or batch.batch["input_ids"].shape[1]
-            return run_chunked(lambda b: token_vectors(self.encoder, b, width), batch)
-        return token_vectors(self.encoder, batch, width)
-
-    def forward(self, **batches):
-        return {name: self.embed(b, self.widths.get(name)) for name, b in batches.items()}
-
-
-SPARSE_BLOCK = 1 << 24  # elements of one chunk of vocabulary logits (64 MiB in fp32)
-
-
-def load_sparse(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False,
-                attention_dropout=None, fast_dropout=False):
-    """--head sparse: the model with its vocabulary head - AutoModelForMaskedLM for an encoder,
-    AutoModelForCausalLM for a decoder (as load_auto). An encoder dir without a trained MLM head (the
-    bundled all-MiniLM-L6-v2) gets a fresh transform over its tied word embeddings, said in one line."""
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
-
-    cls = AutoModelForCausalLM if decoder_dir(path) else AutoModelForMaskedLM
-    with _quiet_loading():
-        model = load_auto(cls, path, dtype, trust_remote_code, attn_implementation, meta, attention_dropout,
-                          fast_dropout)
-    fresh = fresh_vocab_head(model, path)
-    if fresh and os.environ.get("RANK", "0") == "0":
-        print(f"--head sparse: {path} has no trained vocabulary head: {', '.join(fresh)} start fresh (a transform "
-              "over the tied word embeddings), trained with the model", flush=True)
-    return model
-
-
-def embedding_loader(head):
-    """The loader of a bi-encoder's model: load_sparse (the model with its vocabulary head) for --head
-    sparse, else load_encoder."""
-    return load_sparse if head == "sparse" else load_encoder
-
-
-class _quiet_loading:
-    """transformers' load report (MISSING keys of a fresh head) is said by load_sparse in one line instead."""
+class quiet_loading:
+    """transformers' load report (MISSING keys of a fresh head) is said by the caller in one line instead."""
 
     def __enter__(self):
         from transformers.utils import logging
@@ -253,79 +152,6 @@ class _quiet_loading:
         from transformers.utils import logging
 
         logging.set_verbosity(self.level)
-
-
-def fresh_vocab_head(model, path):
-    """The vocabulary head's parameter names that `path`'s weight files do not hold (tied ones aside)."""
-    import glob
-
-    from safetensors import safe_open
-
-    stored = set()
-    for f in glob.glob(os.path.join(path, "*.safetensors")):
-        with safe_open(f, "pt") as fh:
-            stored.update(fh.keys())
-    if not stored:  # (.bin weights: not read here)
-        return []
-    tied = {id(p) for p in model.get_input_embeddings().parameters()}
-    names = [n for n, p in vocab_head(model).named_parameters() if id(p) not in tied]
-    prefix = next(k for k, m in model.named_modules() if m is vocab_head(model))
-    return [f"{prefix}.{n}" for n in names if f"{prefix}.{n}" not in stored]
-
-
-def vocab_head(model):
-    """The module that maps hidden states to vocabulary logits: BERT's `cls`, else `lm_head`."""
-    head = getattr(model, "cls", None) or getattr(model, "lm_head", None)
-    if head is None:
-        raise SystemExit(f"--head sparse: {type(model).__name__} has no vocabulary head the kit knows (cls or lm_head)")
-    return head
-
-
-def _splade_chunk(head, hidden, mask):
-    logits = head(hidden).float()  # (B, chunk, V)
-    return (torch.log1p(torch.relu(logits)) * mask.unsqueeze(-1).to(logits.dtype)).amax(1)
-
-
-def sparse_vectors(model, batch, budget=SPARSE_BLOCK):
-    """--head sparse (SPLADE): log(1 + relu(vocabulary logits)) of each real token, max over the text's
-    tokens: (B, V) fp32, as sentence-transformers' SpladePooling (max, relu). The logits are made in
-    length chunks of at most `budget` elements, each chunk recomputed in the backward under autograd:
-    (B, L, V) never exists at once."""
-    from torch.utils.checkpoint import checkpoint
-
-    extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
-    hidden = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                              **extra).last_hidden_state
-    head, mask = vocab_head(model), batch["attention_mask"]
-    b, length = mask.shape
-    step = max(1, budget // max(1, b * model.get_output_embeddings().weight.shape[0]))
-    grad = torch.is_grad_enabled()
-    out = None
-    for s in range(0, length, step):
-        h, m = hidden[:, s:s + step], mask[:, s:s + step]
-        w = checkpoint(_splade_chunk, head, h, m, use_reentrant=False) if grad else _splade_chunk(head, h, m)
-        out = w if out is None else torch.maximum(out, w)
-    return out
-
-
-class Splade(torch.nn.Module):
-    """--head sparse's model: `model(q=q_batch, p=p_batch)` -> {"q": (B, V), "p": (B * n, V)} vocabulary-
-    sized vectors (sparse_vectors); a batch is a tokenized dict or a chunking.Chunked. Save `.encoder`
-    (the model with its vocabulary head)."""
-
-    def __init__(self, encoder):
-        super().__init__()
-        self.encoder = encoder
-
-    def forward(self, **batches):
-        return {name: run_chunked(lambda b: sparse_vectors(self.encoder, b), x) if isinstance(x, Chunked)
-                else sparse_vectors(self.encoder, x) for name, x in batches.items()}
-
-
-def embedding_size(model):
-    """The size of the embeddings `encode` gives: the Dense module's output, else the hidden size."""
-    dense = getattr(model, "st_dense", None)
-    return dense.linear.out_features if dense is not None else model.config.hidden_size
 
 
 def load_auto(auto_class, path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False,
@@ -378,19 +204,13 @@ def set_attention_dropout(model, p):
 def load_encoder(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False,
                  attention_dropout=None, fast_dropout=False):
     """Load any Hugging Face encoder directory with AutoModel, in `dtype` (`meta`: built on the meta device;
-    `attention_dropout`, `fast_dropout`: as load_auto)."""
+    `attention_dropout`, `fast_dropout`: as load_auto). Nothing of a head: heads/ adds it."""
     model = load_auto(AutoModel, path, dtype, trust_remote_code, attn_implementation, meta, attention_dropout,
                       fast_dropout)
     if getattr(model, "pooler", None) is not None:
         # BERT-style pooler head: our pooling replaces it, and params that get no grad would stall DDP
         model.pooler.requires_grad_(False)
-    from .st_format import load_settings, read_multi_vector, read_sparse
-
-    if load_settings(path).get("head") == "sparse" or read_sparse(path):  # the model with its vocabulary head
-        return load_sparse(path, dtype, trust_remote_code, attn_implementation, meta, attention_dropout, fast_dropout)
-    if read_multi_vector(path) is not None:  # a multi-vector dir: its token projection
-        return attach_multi_vector(model, 0, meta=meta, path=path)
-    return attach_st_dense(model, path, dtype, meta)  # a sentence-transformers Dense after the pooling
+    return model
 
 
 def pool(hidden, attention_mask, mode):
@@ -408,56 +228,7 @@ def pool(hidden, attention_mask, mode):
     raise ValueError(f"unknown pooling {mode!r}; choose one of {POOLING_MODES}")
 
 
-def encode(model, batch, pooling="avg", normalize=True):
-    """Run the encoder on a tokenized batch and return (B, H) embeddings."""
-    extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
-    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra)
-    # pooled and normalized in fp32 whatever the compute dtype (bf16 under FSDP2's policy): embeddings
-    # rounded to bf16 would round the similarity logits too (issue 16)
-    hidden = out.last_hidden_state.float()
-    if "pool_mask" in batch:  # a prompt the pooling leaves out (collate.PooledWithout): as sentence-transformers
-        mask = batch["pool_mask"]
-        if pooling == "cls":  # the first token left in, as its Pooling takes it
-            reps = hidden[torch.arange(hidden.shape[0], device=hidden.device), mask.to(torch.int32).argmax(dim=1)]
-        else:
-            reps = pool(hidden, mask, pooling)
-    else:
-        reps = pool(hidden, batch["attention_mask"], pooling)
-    dense = getattr(model, "st_dense", None)
-    if dense is not None:  # a sentence-transformers Dense projection, between pooling and normalization
-        reps = dense(reps.to(dense.linear.weight.dtype)).float()
-    return F.normalize(reps, dim=-1) if normalize else reps
-
-
-class BiEncoder(torch.nn.Module):
-    """Encoder + pooling + normalization as one module, so queries and passages go through a single
-    forward call (one DDP forward per backward, which `--static-graph` requires):
-    `model(q=q_batch, p=p_batch)` -> {"q": (B, H), "p": (B * n, H)}, any names, in call order.
-    A batch is a tokenized dict (run whole) or a chunking.Chunked (run chunk by chunk, same result).
-
-    Save and export `.encoder`: its keys are the Hugging Face ones.
-    """
-
-    def __init__(self, encoder, pooling="avg", normalize=True):
-        super().__init__()
-        if pooling not in POOLING_MODES:
-            raise ValueError(f"unknown pooling {pooling!r}; choose one of {POOLING_MODES}")
-        self.encoder, self.pooling, self.normalize = encoder, pooling, normalize
-
-    def embed(self, batch):
-        """(rows, H) embeddings of a tokenized dict or a Chunked batch."""
-        def fn(b):
-            return encode(self.encoder, b, self.pooling, self.normalize)
-        return run_chunked(fn, batch) if isinstance(batch, Chunked) else fn(batch)
-
-    def forward(self, **batches):
-        return {name: self.embed(b) for name, b in batches.items()}
-
-
-# ----- cross-encoders --------------------------------------------------------------------------
-
-RERANK_POOLING = ("native", "last", "avg", "cls")
-
+# ----- decoders ----------------------------------------------------------------------------------
 
 def setup_pad_token(tokenizer, model=None):
     """Decoders often ship without a pad token: reuse EOS (or UNK), and tell the model config."""
@@ -594,23 +365,17 @@ def prepare_embedder(tokenizer, model, settings, append_eos=None, bidirectional=
     passage_max_length) are checked against the model (check_max_lengths). A decoder (Llama, Qwen,
     Mistral, ...) gets a pad token if it has none, pads on the left (every row's last real token in
     the last column), and with last pooling appends EOS to each text unless `append_eos` is False
-    (None = auto); `bidirectional` drops its causal mask. An encoder refuses both flags with a sentence.
-    --head multi-vector: prefixes that are one token of the vocabulary ("[unused0] ", as Stanford
-    ColBERT's markers) stay one token (st_format.register_markers; the export's tokenizer keeps them)."""
-    from .st_format import register_markers
-
+    (None = auto); `bidirectional` drops its causal mask. An encoder refuses both flags with a sentence."""
     pooling = settings["pooling"]
     check_max_lengths(model.config, tokenizer, {"--query-max-length": settings["query_max_length"],
                                                 "--passage-max-length": settings["passage_max_length"]}, multiple)
-    markers = register_markers(tokenizer, [settings["query_prefix"], settings["passage_prefix"]]) \
-        if settings.get("head") == "multi-vector" else []
     decoder = is_decoder_only(model.config)
     if not decoder:
         for flag, on in (("--append-eos", append_eos), ("--bidirectional", bidirectional)):
             if on:
                 raise SystemExit(f"{flag}: {type(model).__name__} is an encoder ({model.config.model_type}); the flag "
                                  "is for decoder models (Llama, Qwen, Mistral, ...)")
-        return {"decoder": False, **({"markers": markers} if markers else {})}
+        return {"decoder": False}
     setup_pad_token(tokenizer, model)
     tokenizer.padding_side = tokenizer.init_kwargs["padding_side"] = "left"  # init_kwargs: saved with the tokenizer
     eos = pooling == "last" if append_eos is None else append_eos
@@ -619,33 +384,7 @@ def prepare_embedder(tokenizer, model, settings, append_eos=None, bidirectional=
     if bidirectional:
         make_bidirectional(model)
     return {"decoder": True, "append_eos": bool(eos) or appends_eos(tokenizer), "padding_side": "left",
-            "bidirectional": bool(bidirectional) or getattr(model.config, "is_causal", True) is False,
-            **({"markers": markers} if markers else {})}
-
-
-def load_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False,
-                  attention_dropout=None, fast_dropout=False):
-    """AutoModelForSequenceClassification with one logit; an encoder checkpoint gets a fresh head
-    (`meta`: built on the meta device; `attention_dropout`, `fast_dropout`: as load_auto)."""
-    from transformers import AutoModelForSequenceClassification
-
-    return load_auto(AutoModelForSequenceClassification, path, dtype, trust_remote_code, attn_implementation, meta,
-                     attention_dropout, fast_dropout, num_labels=1)
-
-
-def load_lm_reranker(path, dtype=torch.float32, trust_remote_code=False, attn_implementation=None, meta=False,
-                     attention_dropout=None, fast_dropout=False):
-    """AutoModelForCausalLM, for a reranker scored by its LM head (CrossEncoder(lm_tokens=...)); `meta`:
-    built on the meta device; `attention_dropout`, `fast_dropout`: as load_auto."""
-    from transformers import AutoModelForCausalLM
-
-    encoder = encoder_type(path)
-    if encoder:
-        raise SystemExit(f"--head lm (plan: --kind lm-reranker): {path} is a {encoder} encoder, not a causal LM: its "
-                         "LM head would start fresh and its attention be bidirectional; use --head classifier "
-                         "(--kind reranker), or a decoder (Llama, Qwen, ...)")
-    return load_auto(AutoModelForCausalLM, path, dtype, trust_remote_code, attn_implementation, meta,
-                     attention_dropout, fast_dropout)
+            "bidirectional": bool(bidirectional) or getattr(model.config, "is_causal", True) is False}
 
 
 def encoder_type(path):
@@ -655,110 +394,3 @@ def encoder_type(path):
 
     model_type = model_type_of(path)
     return model_type if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES else None
-
-
-def lm_token_ids(tokenizer, words):
-    """The vocabulary ids of --lm-tokens (true word, false word): one token each, or one sentence."""
-    ids = []
-    for w in words:
-        got = tokenizer(w, add_special_tokens=False)["input_ids"]
-        if len(got) != 1:
-            raise SystemExit(f"--lm-tokens: {w!r} is {len(got)} tokens for this tokenizer ({got}); the score reads one "
-                             "vocabulary row per word: choose words that are one token each")
-        ids.append(got[0])
-    if ids[0] == ids[1]:
-        raise SystemExit(f"--lm-tokens: {words[0]!r} and {words[1]!r} are the same token")
-    return ids
-
-
-def rerank_head(model):
-    """The final linear layer of a *ForSequenceClassification model (`score` for decoders, `classifier` for BERT)."""
-    for name in ("score", "classifier"):
-        head = getattr(model, name, None)
-        if isinstance(head, torch.nn.Linear):
-            return head
-        if head is not None and isinstance(getattr(head, "out_proj", None), torch.nn.Linear):
-            return head.out_proj  # RoBERTa-style head: dense -> out_proj
-    raise ValueError(f"{type(model).__name__}: no `score` or `classifier` linear head found")
-
-
-def fresh_head_params(model):
-    """The params of a *ForSequenceClassification model's head: the final linear layer and, for BERT,
-    the pooler in front of it (untrained in checkpoints trained for mean pooling, such as MiniLM)."""
-    head = getattr(model, "classifier", None)
-    if not isinstance(head, torch.nn.Module) or isinstance(head, torch.nn.Linear):
-        head = rerank_head(model)  # else a RoBERTa-style dense -> out_proj head, all of it
-    params = list(head.parameters())
-    pooler = getattr(model.base_model, "pooler", None)
-    if pooler is not None:
-        params += list(pooler.parameters())
-    return params
-
-
-class FP32Linear(torch.nn.Linear):
-    """A Linear computed in fp32 whatever autocast or the input and weight dtypes are (bf16 under
-    FSDP2's policy): the reranker's score head, so its logits are not rounded to bf16 - at logit 5 a
-    bf16 step is 0.03 (issue 16). Same keys and, in fp32, the same numbers as nn.Linear."""
-
-    def forward(self, x):
-        with torch.autocast(x.device.type, enabled=False):
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias)
-
-
-def fp32_head(model):
-    """Make the final linear head of a *ForSequenceClassification model compute in fp32, in place
-    (its class becomes FP32Linear; params, keys and the saved model are unchanged)."""
-    head = rerank_head(model)
-    if type(head) is torch.nn.Linear:
-        head.__class__ = FP32Linear
-    return head
-
-
-class CrossEncoder(torch.nn.Module):
-    """A sequence-classification model scoring each (query, passage) pair with one logit.
-
-    pooling="native" uses the model's own head path (BERT: pooler -> classifier; decoders: the
-    last non-pad token). "last" / "avg" / "cls" pool the backbone's hidden states with the
-    attention mask (robust to left or right padding and to pad == eos) and apply the final
-    linear head. `model(pairs=batch)` -> {"pairs": (n_pairs,) logits}; a batch is a tokenized dict
-    or a chunking.Chunked, as for BiEncoder. Save and export `.model`.
-    """
-
-    def __init__(self, model, pooling="native", lm_tokens=None):
-        super().__init__()
-        if pooling not in RERANK_POOLING:
-            raise ValueError(f"unknown pooling {pooling!r}; choose one of {RERANK_POOLING}")
-        self.model, self.pooling, self.lm_tokens = model, pooling, lm_tokens
-        if lm_tokens is not None:  # a causal LM scored by its head: logit(true) - logit(false) at the last token
-            return
-        fp32_head(model)  # logits in fp32 under bf16 compute
-        if pooling != "native":
-            rerank_head(model)  # fail now, not at the first step
-            if getattr(model.base_model, "pooler", None) is not None:
-                model.base_model.pooler.requires_grad_(False)  # unused: would stall DDP
-
-    def score(self, batch):
-        extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
-        if self.lm_tokens is not None:
-            return self.lm_score(batch, extra)
-        if self.pooling == "native":
-            return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits.view(-1)
-        hidden = self.model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                       **extra).last_hidden_state
-        return rerank_head(self.model)(pool(hidden, batch["attention_mask"], self.pooling)).view(-1)
-
-    def lm_score(self, batch, extra):
-        """logit(true) - logit(false) of the next token after each pair's last real token: only that
-        position's hidden state meets only the two vocabulary rows (never (pairs, length, vocab))."""
-        hidden = self.model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                       **extra).last_hidden_state  # (n, L, H), after the final norm
-        last = pool(hidden, batch["attention_mask"], "last").float()  # (n, H)
-        rows = self.model.get_output_embeddings().weight[self.lm_tokens].float()  # (2, H)
-        with torch.autocast(last.device.type, enabled=False):
-            logits = last @ rows.T  # (n, 2), fp32
-        return logits[:, 0] - logits[:, 1]
-
-    def forward(self, **batches):
-        return {name: run_chunked(self.score, b) if isinstance(b, Chunked) else self.score(b)
-                for name, b in batches.items()}

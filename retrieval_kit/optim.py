@@ -38,8 +38,8 @@ def param_groups(model, weight_decay):
 
 def scale_lr(groups, params, lr, mult):
     """Split each param group in two: `params` get lr * mult (an explicit per-group "lr", which the
-    schedule scales like the rest), the others keep the optimizer's lr. mult 1 changes nothing."""
-    if mult == 1.0:
+    schedule scales like the rest), the others keep the optimizer's lr. mult 1 (or None) changes nothing."""
+    if mult in (None, 1.0) or not params:
         return groups
     chosen, out = {id(p) for p in params}, []
     for g in groups:

@@ -68,21 +68,18 @@ def defaulted_shape(model_dir, config):
 
 
 def main(argv=None):
-    from . import cli, flags, lora
-    from .losses import MAXSIM_BLOCK
-    from .models import (SPARSE_BLOCK, attach_multi_vector, fresh_head_params, load_encoder, load_lm_reranker,
-                         load_reranker, load_sparse, vocab_head)
+    from . import cli, flags, heads, lora
     from .precision import resolve, trained_dtype
+    from .st_format import read_spec
 
     ap = cli.KitParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=flags.model_path, help="model dir (or a dir holding only its config.json)")
-    ap.add_argument("--kind", choices=("biencoder", "multi-vector", "sparse", "reranker", "lm-reranker"),
-                    default="biencoder",
-                    help="what is trained: the encoder, the encoder with a multi-vector token projection "
-                         "(train_biencoder.py --head multi-vector), the model with its vocabulary head (--head "
-                         "sparse), a one-logit classifier, or a causal LM (default biencoder)")
-    ap.add_argument("--multi-vector-dim", type=flags.positive_int, default=128,
-                    help="--kind multi-vector: each token's vector size (default 128)")
+    ap.add_argument("--head", choices=tuple(heads.MODULES), default="single-vector",
+                    help="what is trained, as the scripts' --head: the encoder (single-vector), the encoder with a "
+                         "multi-vector token projection, the model with its vocabulary head (sparse), a one-logit "
+                         "classifier, or a causal LM scored by its LM head (lm) (default single-vector)")
+    ap.add_argument("--multi-vector-dim", type=flags.positive_int, default=None,
+                    help="--head multi-vector: each token's vector size (default 128)")
     ap.add_argument("--world-size", type=flags.positive_int, default=1, help="ranks (default 1)")
     ap.add_argument("--parallel", choices=("ddp", "fsdp2"), default="ddp", help="default ddp")
     ap.add_argument("--torch-dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
@@ -94,32 +91,20 @@ def main(argv=None):
         action = next(x for x in cli.biencoder_parser()._actions if name in x.option_strings)
         g.add_argument(name, type=action.type, default=action.default, help=action.help)
     a = ap.parse_args(argv)
+    cli.head_flags(a, a.head, "the plan's")  # --multi-vector-dim with another head: one sentence
+    head = heads.get(a.head)
     storage, _, _ = resolve(a.torch_dtype, a.force_fp32_params, "none", a.parallel, a.lora_rank > 0)
-    load = {"biencoder": load_encoder, "multi-vector": load_encoder, "sparse": load_sparse, "reranker": load_reranker,
-            "lm-reranker": load_lm_reranker}[a.kind]
-    model = load(a.model, storage, meta=True)  # shapes and dtypes only
-    if a.kind == "multi-vector" and not hasattr(model, "multi_vector"):
-        attach_multi_vector(model, a.multi_vector_dim, meta=True)
+    model = head.load(a.model, storage, meta=True, spec=read_spec(a.model), dim=a.multi_vector_dim)
     assumed = defaulted_shape(a.model, model.config)
     if assumed:
         print(f"note: {a.model}/config.json does not set {', '.join(assumed)}: planned with transformers' defaults "
               f"for {model.config.model_type} ({', '.join(f'{k} {v}' for k, v in assumed.items())})")
-    tied = {id(p) for p in model.get_input_embeddings().parameters()}
-    train = {"reranker": fresh_head_params, "multi-vector": lambda m: list(m.multi_vector.parameters()),
-             "sparse": lambda m: [p for p in vocab_head(m).parameters() if id(p) not in tied]}.get(a.kind)
-    lora.apply_each([model], a.lora_rank, train=train, alpha=1.0,
+    lora.apply_each([model], a.lora_rank, train=head.lora_trained, alpha=1.0,
                     targets=tuple(a.lora_targets), dtype=trained_dtype(storage, a.force_fp32_params))
     print(describe(memory_plan(model, a.world_size, a.parallel)))
-    if a.kind == "multi-vector":
-        print(f"multi-vector head: the projection ({model.config.hidden_size} x {model.multi_vector.linear.out_features}) "
-              f"is in the plan; MaxSim scores are computed in blocks of at most {MAXSIM_BLOCK:,} token-pair "
-              f"similarities ({MAXSIM_BLOCK * 4 / 2 ** 20:.0f} MiB in fp32, losses.maxsim_blocks), plus the "
-              "gathered token vectors: ranks x queries x width x (dim + 1) fp32 numbers, passages likewise")
-    if a.kind == "sparse":
-        vocab = model.get_output_embeddings().weight.shape[0]
-        print(f"sparse head: vocabulary logits ({vocab:,} a token) made in length chunks of at most {SPARSE_BLOCK:,} "
-              f"numbers ({SPARSE_BLOCK * 4 / 2 ** 20:.0f} MiB in fp32), each recomputed in the backward; the "
-              f"vectors: (ranks x (queries + passages)) x {vocab:,} fp32 numbers a step, gathered")
+    note = head.memory_note(model)  # multi-vector, sparse: what the plan leaves out
+    if note:
+        print(note)
 
 
 if __name__ == "__main__":

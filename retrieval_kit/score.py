@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from . import cli, dist, flags, outputs, precision
+from .export import load_exported_reranker
 
 MANIFEST = "manifest.json"
 
@@ -40,29 +41,28 @@ def record_line(record, pos_scores, neg_scores):
 
 
 class Scorer:
-    """score(queries, passages) -> a float per (query, passage) pair, for either kind of export."""
+    """score(queries, passages) -> a float per (query, passage) pair, for either kind of export. A
+    bi-encoder's vectors are kept in `storage` (the run's compute dtype: fp32 unless --compute-dtype bf16),
+    never rounded below it."""
 
-    def __init__(self, model_dir, device, batch_size, trust_remote_code=False):
-        from .export import load_exported_reranker
+    def __init__(self, model_dir, device, batch_size, trust_remote_code=False, compute_dtype=None):
         from .st_format import load_settings
 
-        self.settings = load_settings(model_dir)
-        self.kind = self.settings.get("kind")
+        self.kind = load_settings(model_dir).get("kind")
         self.device, self.batch_size = device, batch_size
+        self.storage = compute_dtype or torch.float32
         if self.kind == "reranker":
             model, self.tokenizer, self.settings = load_exported_reranker(model_dir, torch.float32, trust_remote_code)
+            self.model = model.to(device).eval()
+            precision.autocast_forward(self.model, device.type, compute_dtype)
         elif self.kind == "biencoder":
-            from .evaluate import biencoder_settings
-            from .models import load_encoder, load_tokenizer, prepare_embedder
+            from .evaluate import load_biencoder
 
-            self.settings = biencoder_settings(model_dir, {})
-            self.tokenizer = load_tokenizer(model_dir, trust_remote_code)
-            model = load_encoder(model_dir, torch.float32, trust_remote_code)
-            prepare_embedder(self.tokenizer, model, self.settings)
+            self.model, self.tokenizer, self.settings, self.head = load_biencoder(
+                model_dir, {}, torch.float32, trust_remote_code, device, compute_dtype)
         else:
             raise SystemExit(f"--model {model_dir}: not an export of train_reranker.py or train_biencoder.py (its "
                              "retrieval_kit.json, which says how to score, is missing or names no kind)")
-        self.model = model.to(device).eval()
 
     @torch.no_grad()
     def score(self, queries, passages):
@@ -70,26 +70,19 @@ class Scorer:
             from .encode import rerank_groups
 
             return rerank_groups(self.model, self.tokenizer, queries, [[p] for p in passages], self.settings,
-                                self.batch_size, self.device)[:, 0].tolist()
+                                 self.batch_size, self.device)[:, 0].tolist()
         from .encode import encode_texts
 
-        from .collate import maxsim_sides
-        from .losses import maxsim_pairs
-
-        s = self.settings
-        pooling = {"multi-vector": "tokens", "sparse": "sparse"}.get(s.get("head"), s["pooling"])
-        args = (self.batch_size, pooling, s["normalize"], self.device)
-        sides = maxsim_sides(self.tokenizer, s)  # --head multi-vector: query expansion, the passages' skiplist
+        s, head = self.settings, self.head
+        sides = head.sides(self.tokenizer, s)  # multi-vector: query expansion, the passages' skiplist
         unique = list(dict.fromkeys(queries))  # each query embedded once, not once per passage
         row = {text: i for i, text in enumerate(unique)}
-        q = encode_texts(self.model, self.tokenizer, unique, s["query_max_length"], s["query_prefix"], *args,
-                         side=sides["q"])
-        p = encode_texts(self.model, self.tokenizer, passages, s["passage_max_length"], s["passage_prefix"], *args,
-                         side=sides["p"])
-        q = q.to_dense() if q.is_sparse else q
-        p = p.to_dense() if p.is_sparse else p  # (a block of records' passages)
-        q = q[[row[text] for text in queries]]
-        return (maxsim_pairs(q, p) if pooling == "tokens" else (q.float() * p.float()).sum(-1)).tolist()
+        q = encode_texts(self.model, self.tokenizer, unique, s["query_max_length"], s["query_prefix"], self.batch_size,
+                         self.device, side=sides["q"], head=head, name="q", dtype=self.storage)
+        p = encode_texts(self.model, self.tokenizer, passages, s["passage_max_length"], s["passage_prefix"],
+                         self.batch_size, self.device, side=sides["p"], head=head, name="p", dtype=self.storage)
+        q, p = head.as_dense(q), head.as_dense(p)  # (a block of records' passages)
+        return head.pair_scores(q[[row[text] for text in queries]], p).tolist()
 
 
 def score_block(scorer, records):
@@ -173,8 +166,8 @@ def main(argv=None):
     corpus = read_corpus(args.corpus) if args.corpus else None
     records, _ = read_records(args.input, corpus=corpus)
     dist.print0(records.summary)  # names the file
-    scorer = Scorer(args.model, ctx.device, args.batch_size, args.trust_remote_code)
-    precision.autocast_forward(scorer.model, ctx.device.type, precision.parse_dtype(args.compute_dtype))
+    scorer = Scorer(args.model, ctx.device, args.batch_size, args.trust_remote_code,
+                    precision.parse_dtype(args.compute_dtype))
     parts = args.out + ".parts"
     from .formats import file_digest
 

@@ -1,4 +1,5 @@
-"""Exact nearest-neighbour search by inner product over embedding matrices."""
+"""Exact nearest-neighbour search in blocks (by inner product, or a head's score), and the per-shard top k
+merged over ranks."""
 
 import torch
 
@@ -28,40 +29,13 @@ def exact_topk(q_emb, p_emb, k, query_chunk=256, corpus_chunk=8192, score=None):
     return torch.cat(all_scores), torch.cat(all_idx)
 
 
-def maxsim_topk(q_tok, p_tok, k, query_chunk=64, corpus_chunk=1024):
-    """exact_topk for --head multi-vector token vectors (models.token_vectors; the corpus's may be
-    stored in bf16): MaxSim scores (losses.maxsim, fp32, in blocks of at most losses.MAXSIM_BLOCK token
-    pairs) for query_chunk x corpus_chunk blocks, merged into a running top-k. Besides the stored
-    vectors, memory holds one block's similarities and one corpus chunk in fp32."""
-    from .losses import maxsim
-
-    return exact_topk(q_tok.float(), p_tok, k, query_chunk, corpus_chunk, score=maxsim)
-
-
-def sparse_topk(q_vec, p_sparse, k, query_chunk=64):
-    """exact_topk for --head sparse: queries (Q, V) dense or sparse against a sparse (P, V) corpus (an
-    inverted index: each passage's non-zero vocabulary entries), by sparse x dense
-    products of query_chunk queries at a time; never a dense corpus x vocabulary matrix."""
-    k = min(k, p_sparse.shape[0])
-    index = p_sparse.coalesce()  # (COO: CSR support is beta in torch 2.13 and warns)
-    q_vec = q_vec.to_dense() if q_vec.is_sparse else q_vec
-    scores, idx = [], []
-    for s in range(0, q_vec.shape[0], query_chunk):
-        block = torch.sparse.mm(index, q_vec[s:s + query_chunk].float().T).T  # (q, P)
-        top = block.topk(k, dim=1)
-        scores.append(top.values)
-        idx.append(top.indices)
-    return torch.cat(scores), torch.cat(idx)
-
-
 def sharded_topk(q_emb, p_shard, offset, k, n_total, device="cpu", search=exact_topk):
     """Exact top-k by inner product over a corpus split over the ranks: each rank searches its own
     shard (`p_shard`: rows offset..offset+len of the corpus, or, with `offset` a LongTensor, the rows
     it lists) on `device`, then the (Q, k) candidates
     of every rank are all-gathered and merged. No rank holds more than its shard of the corpus;
-    the result is `search`'s (exact_topk; maxsim_topk for token vectors, sparse_topk for sparse ones) over
-    the whole corpus (up
-    to the order of tied scores). Returns
+    the result is `search`'s (exact_topk; a head's search: MaxSim for token vectors, an inverted index for
+    sparse ones) over the whole corpus (up to the order of tied scores). Returns
     (scores, indices into the whole corpus), (Q, min(k, n_total)), best first, on the CPU."""
     import torch.distributed as tdist
 

@@ -11,11 +11,19 @@ all-MiniLM-L6-v2 ships with); 6.x reads it too.
 
 Settings resolve in this order: explicit flags, then the kit's own retrieval_kit.json (an export),
 then the sentence-transformers files, then the kit's defaults (`resolve_biencoder_settings`).
+
+A dir is read once, as a whole, by `read_spec`: every file the kit reads of it, each field's type and
+range, the widths of its Dense / projection against the model and against their own weights; any
+failure is one sentence naming the file and the field. The spec says which kind of model the dir holds
+(its `head`), and is passed to the head that loads it (retrieval_kit/heads/).
 """
 
 import json
 import os
 import string
+from dataclasses import dataclass, field
+
+from .heads import MODULES  # the kinds' names (the registry alone: no head module is imported)
 
 SETTINGS_FILE = "retrieval_kit.json"  # the kit's own settings, beside an exported model
 KIT_DEFAULTS = {"pooling": "avg", "normalize": True, "query_prefix": "", "passage_prefix": "",
@@ -29,15 +37,54 @@ LEGACY_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mea
 DOCUMENT_PROMPTS = ("document", "passage", "corpus")  # the names encode_document looks for, in its order
 
 
-def _json(path):
-    """A model dir's JSON file; one sentence naming it when it is missing or not JSON (a damaged dir)."""
+def _json(path, kind=dict):
+    """A model dir's JSON file (an object, or `kind`); one sentence naming it when it is missing, not JSON
+    or not that kind of value (a damaged dir)."""
     try:
         with open(path) as f:
-            return json.load(f)
+            got = json.load(f)
     except OSError as e:
         raise SystemExit(f"{path}: cannot read it ({e.strerror or e}); copy the model dir whole again")
     except ValueError as e:
         raise SystemExit(f"{path}: not valid JSON ({e}); copy the model dir whole again")
+    if not isinstance(got, kind):
+        raise SystemExit(f"{path}: holds a {type(got).__name__}, not a JSON {'list' if kind is list else 'object'}; "
+                         "copy the model dir whole again")
+    return got
+
+
+def _bad(path, key, value, what):
+    raise SystemExit(f"{path}: {key} {value!r} must be {what}; fix the file or copy the model dir whole again")
+
+
+def _length(path, key, value, optional=True):
+    """A positive token count from a dir's file (an int, or a whole number written as a float)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+        _bad(path, key, value, "a positive whole number of tokens")
+    return int(value)
+
+
+def _words(path, key, value):
+    """A list of words (a skiplist): a string would be read letter by letter, numbers and null are not words."""
+    if not isinstance(value, list) or not all(isinstance(w, str) and w for w in value):
+        _bad(path, key, value if not isinstance(value, str) else value[:40],
+             "a list of words (a string would be read letter by letter, as MultiVectorEncoder reads it)"
+             if isinstance(value, str) else "a list of non-empty strings")
+    return list(value)
+
+
+def _modules(model_dir):
+    """modules.json's entries (a list of objects with a "type"), or None without the file."""
+    path = os.path.join(model_dir, "modules.json")
+    if not os.path.isfile(path):
+        return None
+    modules = _json(path, list)
+    for i, m in enumerate(modules):
+        if not isinstance(m, dict) or not isinstance(m.get("type", ""), str) or not isinstance(m.get("path", ""), str):
+            _bad(path, f"entry {i}", m, "an object with a string \"type\" and \"path\"")
+    return modules
 
 
 def _pooling_mode(config, path):
@@ -64,12 +111,13 @@ def read_st_settings(model_dir):
         return {**({"query_max_length": max_len, "passage_max_length": max_len} if max_len else {}),
                 **multi["settings"]}
     modules_path = os.path.join(model_dir, "modules.json")
-    if not os.path.isfile(modules_path):
+    modules = _modules(model_dir)
+    if modules is None:
         return {}
     out = {"normalize": False}
     if read_sparse(model_dir):  # a SparseEncoder (SPLADE): vocabulary-sized vectors, dot product
         out.update(head="sparse")
-    for m in _json(modules_path):
+    for m in modules:
         kind = m.get("type", "").rsplit(".", 1)[-1]
         if kind == "SpladePooling":
             continue
@@ -86,15 +134,27 @@ def read_st_settings(model_dir):
     max_len = _max_length(model_dir)
     if max_len:
         out["query_max_length"] = out["passage_max_length"] = max_len
+    out.update(_prompts(model_dir, {}))
+    return out
+
+
+def _prompts(model_dir, prompts):
+    """{"query_prefix", "passage_prefix"} from the dir's prompts (config_sentence_transformers.json,
+    after `prompts` given first), each a string."""
     st_config = os.path.join(model_dir, "config_sentence_transformers.json")
-    prompts = {}
-    if os.path.isfile(st_config):
-        prompts = _json(st_config).get("prompts") or {}
+    given = (_json(st_config).get("prompts") or {}) if os.path.isfile(st_config) else {}
+    if not isinstance(given, dict):
+        _bad(st_config, "prompts", given, "an object of prompt strings")
+    prompts = {**given, **prompts}
+    out = {}
     if "query" in prompts:
         out["query_prefix"] = prompts["query"]
     doc = next((n for n in DOCUMENT_PROMPTS if n in prompts), None)
     if doc:
         out["passage_prefix"] = prompts[doc]
+    for k, v in out.items():
+        if not isinstance(v, str):
+            _bad(st_config, f"prompt ({k})", v, "a string")
     return out
 
 
@@ -104,11 +164,11 @@ def _max_length(model_dir):
     max_len = None
     sbert = os.path.join(model_dir, "sentence_bert_config.json")
     if os.path.isfile(sbert):
-        max_len = _json(sbert).get("max_seq_length")
+        max_len = _length(sbert, "max_seq_length", _json(sbert).get("max_seq_length"))
     tok_config = os.path.join(model_dir, "tokenizer_config.json")
     if max_len is None and os.path.isfile(tok_config):
         max_len = _json(tok_config).get("model_max_length")
-        max_len = max_len if isinstance(max_len, int) and max_len < 1_000_000 else None  # "no limit" sentinels
+        max_len = max_len if isinstance(max_len, int) and 0 < max_len < 1_000_000 else None  # "no limit" sentinels
     return int(max_len) if max_len else None
 
 
@@ -131,8 +191,6 @@ DENSE_ACTIVATIONS = ("torch.nn.modules.activation.Tanh", "torch.nn.modules.linea
 
 
 MULTI_VECTOR_LAYOUT = ("Transformer", "Dense", "MultiVectorMask", "Normalize")  # MultiVectorEncoder's default
-MAXSIM_KEYS = ("query_expansion", "skiplist_words")  # --head multi-vector's tokenization (collate.maxsim_sides)
-MAXSIM_DEFAULTS = {"query_expansion": False, "skiplist_words": []}  # MultiVectorEncoder's defaults: neither
 PUNCTUATION = list(string.punctuation)  # PyLate's and Stanford ColBERT's default skiplist
 
 
@@ -143,16 +201,27 @@ def _colbert_config(model_dir):
     if os.path.isfile(config) and "HF_ColBERT" in (_json(config).get("architectures") or []):
         meta_path = os.path.join(model_dir, "artifact.metadata")
         meta = _json(meta_path) if os.path.isfile(meta_path) else {}
-        return {"stanford": True, "query_prefix": (meta.get("query_token_id") or "[unused0]") + " ",
+        for key in ("query_token_id", "doc_token_id"):
+            if not isinstance(meta.get(key) or "", str):
+                _bad(meta_path, key, meta[key], "a marker token, a string")
+        return {"stanford": True, "source": meta_path, "query_prefix": (meta.get("query_token_id") or "[unused0]") + " ",
                 "document_prefix": (meta.get("doc_token_id") or "[unused1]") + " ",
-                "query_length": meta.get("query_maxlen") or 32, "document_length": meta.get("doc_maxlen"),
+                "query_length": _length(meta_path, "query_maxlen", meta.get("query_maxlen")) or 32,
+                "document_length": _length(meta_path, "doc_maxlen", meta.get("doc_maxlen")),
                 "do_query_expansion": True, "attend_to_expansion_tokens": bool(meta.get("attend_to_mask_tokens")),
                 "skiplist_words": PUNCTUATION if meta.get("mask_punctuation", True) else []}
     st_config = os.path.join(model_dir, "config_sentence_transformers.json")
     c = _json(st_config) if os.path.isfile(st_config) else {}
     pylate = ("query_prefix", "document_prefix", "do_query_expansion", "attend_to_expansion_tokens", "skiplist_words")
     if c.get("model_type") == "ColBERT" or any(k in c for k in pylate):
-        return c
+        for key in ("query_prefix", "document_prefix"):
+            if not isinstance(c.get(key) or "", str):
+                _bad(st_config, key, c[key], "a marker, a string")
+        for key in ("query_length", "document_length"):
+            c[key] = _length(st_config, key, c.get(key))
+        if c.get("skiplist_words") is not None:
+            c["skiplist_words"] = _words(st_config, "skiplist_words", c["skiplist_words"])
+        return {**c, "source": st_config}
     return None
 
 
@@ -174,20 +243,30 @@ def read_multi_vector(model_dir):
     legacy = _colbert_config(model_dir)
     modules_path = os.path.join(model_dir, "modules.json")
     if legacy is not None and legacy.get("stanford"):
-        from safetensors import safe_open
-
         weights = os.path.join(model_dir, "model.safetensors")
         if not os.path.isfile(weights):
             raise SystemExit(f"{model_dir}: a Stanford-NLP ColBERT dir without model.safetensors (its projection, "
                              "linear.weight, is read from there): save it with safetensors")
-        with safe_open(weights, "pt") as f:
-            out_f, in_f = f.get_slice("linear.weight").get_shape()
-        spec = {"path": model_dir, "key": "linear.weight", "in_features": in_f, "out_features": out_f}
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(weights, "pt") as f:
+                if "linear.weight" not in f.keys():
+                    raise SystemExit(f"{weights}: holds no linear.weight (a Stanford-NLP ColBERT dir's projection); copy "
+                                     "the model dir whole again")
+                shape = f.get_slice("linear.weight").get_shape()
+        except SafetensorError as e:
+            raise SystemExit(f"{weights}: cannot read it ({e}); copy the model dir whole again") from None
+        if len(shape) != 2:
+            raise SystemExit(f"{weights}: linear.weight is {'x'.join(map(str, shape))}, not a matrix; copy the model "
+                             "dir whole again")
+        spec = {"path": model_dir, "key": "linear.weight", "in_features": shape[1], "out_features": shape[0],
+                "config": weights}
         kinds, modules = (), []
     elif not os.path.isfile(modules_path):
         return None
     else:
-        modules = _json(modules_path)
+        modules = _modules(model_dir)
         kinds = tuple(m.get("type", "").rsplit(".", 1)[-1] for m in modules)
         pylate = legacy is not None and kinds == ("Transformer", "Dense")
         if "MultiVectorMask" not in kinds and not pylate:
@@ -195,24 +274,29 @@ def read_multi_vector(model_dir):
         if kinds != MULTI_VECTOR_LAYOUT and not pylate:
             _refuse_mv(modules_path, f"modules {', '.join(kinds)} (the kit carries {', '.join(MULTI_VECTOR_LAYOUT)}, "
                                      "or PyLate's Transformer, Dense)")
-        dense = _json(os.path.join(model_dir, modules[1].get("path", ""), "config.json"))
+        dense_path = os.path.join(model_dir, modules[1].get("path", ""), "config.json")
+        dense = _json(dense_path)
         if dense.get("bias") or dense.get("use_residual") or dense.get(
                 "activation_function", "torch.nn.modules.linear.Identity") != "torch.nn.modules.linear.Identity":
             _refuse_mv(modules_path, "a token projection with a bias, a residual or an activation (the kit trains a "
                                      "bias-free linear one)")
         spec = {"path": os.path.join(model_dir, modules[1].get("path", "")), "key": "linear.weight",
-                "in_features": dense["in_features"], "out_features": dense["out_features"]}
+                "in_features": _length(dense_path, "in_features", dense.get("in_features"), optional=False),
+                "out_features": _length(dense_path, "out_features", dense.get("out_features"), optional=False),
+                "config": dense_path}
     sbert_path = os.path.join(model_dir, "sentence_bert_config.json")
     sbert = _json(sbert_path) if os.path.isfile(sbert_path) else {}
-    st_config = os.path.join(model_dir, "config_sentence_transformers.json")
-    prompts = dict((_json(st_config).get("prompts") or {}) if os.path.isfile(st_config) else {})
+    prompts = {}
     out = {"head": "multi-vector", "normalize": True}
     markers = []
     if legacy is not None:  # PyLate / Stanford: the markers go before the prompts, kept whole as tokens
+        st_config = os.path.join(model_dir, "config_sentence_transformers.json")
+        given = (_json(st_config).get("prompts") or {}) if os.path.isfile(st_config) else {}
         for key, name in (("query_prefix", "query"), ("document_prefix", "document")):
             if legacy.get(key):
                 markers.append(legacy[key])
-                prompts[name] = legacy[key] + (prompts.get(name) or "").removeprefix(legacy[key])
+                prompt = given.get(name) or "" if isinstance(given, dict) else ""
+                prompts[name] = legacy[key] + (prompt if isinstance(prompt, str) else "").removeprefix(legacy[key])
         expand = legacy.get("do_query_expansion", True) is not False
         out["query_expansion"] = {"attend": bool(legacy.get("attend_to_expansion_tokens")), "token": None} if expand \
             else False
@@ -222,29 +306,31 @@ def read_multi_vector(model_dir):
             out["passage_max_length"] = int(legacy["document_length"])
         out["skiplist_words"] = list(PUNCTUATION if legacy.get("skiplist_words") is None else legacy["skiplist_words"])
     else:
-        mask = _json(os.path.join(model_dir, modules[2].get("path", ""), "config.json"))
+        mask_path = os.path.join(model_dir, modules[2].get("path", ""), "config.json")
+        mask = _json(mask_path)
         tasks = mask.get("skiplist_tasks", ["document"])
         if mask.get("keep_only_token_ids") or (mask.get("skiplist_words") and list(
-                [tasks] if isinstance(tasks, str) else tasks) != ["document"]):
+                [tasks] if isinstance(tasks, str) else tasks if isinstance(tasks, list) else [tasks]) != ["document"]):
             _refuse_mv(modules_path, "a MultiVectorMask with an allowlist (keep_only_token_ids) or a skiplist on "
                                      "queries (the kit carries a skiplist on documents)")
-        out["skiplist_words"] = list(mask.get("skiplist_words") or [])
+        out["skiplist_words"] = _words(mask_path, "skiplist_words", mask.get("skiplist_words") or [])
         expansion = sbert.get("query_expansion")
+        if expansion and not isinstance(expansion, dict):
+            _bad(sbert_path, "query_expansion", expansion, "an object (strategy, length, attend, token) or null")
         if expansion and expansion.get("strategy") != "fixed":
             _refuse_mv(modules_path, f"query expansion of strategy {expansion.get('strategy')!r} (the kit expands "
                                      "queries to a fixed width: strategy 'fixed')")
+        if expansion and not isinstance(expansion.get("token") or "", str):
+            _bad(sbert_path, "query_expansion.token", expansion.get("token"), "a token, a string, or null")
         out["query_expansion"] = {"attend": bool(expansion.get("attend")), "token": expansion.get("token")} \
             if expansion else False
         for key, ours in (("query_length", "query_max_length"), ("document_length", "passage_max_length")):
-            if sbert.get(key):
-                out[ours] = int(sbert[key])
+            if sbert.get(key) is not None:
+                out[ours] = _length(sbert_path, key, sbert[key])
         if expansion:
-            out["query_max_length"] = int(expansion["length"])
-    if "query" in prompts:
-        out["query_prefix"] = prompts["query"]
-    doc = next((n for n in DOCUMENT_PROMPTS if n in prompts), None)
-    if doc:
-        out["passage_prefix"] = prompts[doc]
+            out["query_max_length"] = _length(sbert_path, "query_expansion.length", expansion.get("length"),
+                                              optional=False)
+    out.update(_prompts(model_dir, prompts))
     return {**spec, "settings": out, "markers": markers}
 
 
@@ -253,37 +339,15 @@ def _refuse_mv(modules_path, problem):
                      "sentence-transformers")
 
 
-def register_markers(tokenizer, markers):
-    """Make a PyLate / Stanford ColBERT dir's prefix markers ("[Q] ", "[unused0] ") single tokens when
-    the tokenizer knows them but would split them, as MultiVectorEncoder does on loading such a dir:
-    each marker (or its first word) that is in the vocabulary or an added token, and does not tokenize
-    to itself, becomes a special token that is not normalized. Prepending the marker as text then gives
-    the ids PyLate inserted. Returns the tokens registered."""
-    from tokenizers import AddedToken
-
-    added, vocab = set(tokenizer.added_tokens_encoder), tokenizer.get_vocab()
-    todo = []
-    for value in markers:
-        for token in (value, value.split(None, 1)[0] if value.split() else value):
-            if token not in added and token not in vocab:
-                continue
-            if tokenizer.tokenize(token) != [token]:
-                todo.append(AddedToken(token, normalized=False, special=True))
-            break
-    if todo:
-        tokenizer.add_special_tokens({"additional_special_tokens": todo})
-    return [t.content for t in todo]
-
-
 def read_sparse(model_dir):
     """Is `model_dir` a sentence-transformers SparseEncoder of SPLADE's layout (a fill-mask or causal-LM
     Transformer, then SpladePooling with max pooling of relu: log(1 + relu) of the vocabulary logits)?
     Another sparse layout (inference-free Router / SparseStaticEmbedding, sum pooling, CSR) is one
     sentence."""
     modules_path = os.path.join(model_dir, "modules.json")
-    if not os.path.isfile(modules_path):
+    modules = _modules(model_dir)
+    if modules is None:
         return False
-    modules = _json(modules_path)
     kinds = tuple(m.get("type", "").rsplit(".", 1)[-1] for m in modules)
     st_config = os.path.join(model_dir, "config_sentence_transformers.json")
     sparse_model = os.path.isfile(st_config) and _json(st_config).get("model_type") == "SparseEncoder"
@@ -371,14 +435,15 @@ def read_st_dense(model_dir):
     {"path", "in_features", "out_features", "bias", "activation_function"}, or None. One Dense, after
     the Pooling, with one of DENSE_ACTIVATIONS and no residual; anything else is one sentence."""
     modules_path = os.path.join(model_dir, "modules.json")
-    if not os.path.isfile(modules_path):
+    modules = _modules(model_dir)
+    if modules is None:
         return None
-    modules = _json(modules_path)
     kinds = [m.get("type", "").rsplit(".", 1)[-1] for m in modules]
     if "Dense" not in kinds or read_multi_vector(model_dir) is not None:  # (a token projection: read_multi_vector)
         return None
     i = kinds.index("Dense")
-    config = _json(os.path.join(model_dir, modules[i].get("path", ""), "config.json"))
+    config_path = os.path.join(model_dir, modules[i].get("path", ""), "config.json")
+    config = _json(config_path)
     problem = None
     if kinds.count("Dense") > 1:
         problem = f"{kinds.count('Dense')} Dense modules (the kit carries one)"
@@ -390,25 +455,161 @@ def read_st_dense(model_dir):
         problem = "a Dense with a residual connection"
     if problem:
         raise SystemExit(f"{modules_path}: {problem}; the kit does not carry it: fine-tune it with sentence-transformers")
-    return {"path": os.path.join(model_dir, modules[i].get("path", "")), "in_features": config["in_features"],
-            "out_features": config["out_features"], "bias": config.get("bias", True),
+    if not isinstance(config.get("bias", True), bool):
+        _bad(config_path, "bias", config.get("bias"), "true or false")
+    return {"path": os.path.join(model_dir, modules[i].get("path", "")), "config": config_path,
+            "in_features": _length(config_path, "in_features", config.get("in_features"), optional=False),
+            "out_features": _length(config_path, "out_features", config.get("out_features"), optional=False),
+            "bias": config.get("bias", True), "key": "linear.weight",
             "activation_function": config.get("activation_function", DENSE_ACTIVATIONS[0])}
 
 
 def load_settings(model_dir):
-    """The retrieval_kit settings saved beside an exported model ({} for a plain HF dir)."""
+    """The retrieval_kit settings saved beside an exported model ({} for a plain HF dir), each field the
+    kit reads checked (KIT_FIELDS): one sentence naming the file and the field otherwise."""
     path = os.path.join(model_dir, SETTINGS_FILE)
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    settings = _json(path)
+    for key, (ok, what) in KIT_FIELDS.items():
+        if key in settings and not ok(settings[key]):
+            _bad(path, key, settings[key], what)
+    return settings
 
 
-def resolve_biencoder_settings(model_dir, flags, defaults=KIT_DEFAULTS):
+def _is_length(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _is_words(v):
+    return isinstance(v, list) and all(isinstance(w, str) and w for w in v)
+
+
+KIT_FIELDS = {  # what the kit reads of a retrieval_kit.json: (check, what it must be)
+    "kind": (lambda v: v in ("biencoder", "reranker"), "'biencoder' or 'reranker'"),
+    "head": (lambda v: v in MODULES, "one of " + ", ".join(MODULES)),
+    "pooling": (lambda v: v in ("avg", "cls", "last", "native"), "avg, cls, last (or native for a reranker)"),
+    "normalize": (lambda v: isinstance(v, bool), "true or false"),
+    "include_prompt": (lambda v: isinstance(v, bool), "true or false"),
+    "query_prefix": (lambda v: isinstance(v, str), "a string"),
+    "passage_prefix": (lambda v: isinstance(v, str), "a string"),
+    "query_max_length": (_is_length, "a positive whole number of tokens"),
+    "passage_max_length": (_is_length, "a positive whole number of tokens"),
+    "rerank_max_length": (_is_length, "a positive whole number of tokens"),
+    "multi_vector_dim": (_is_length, "a positive whole number"),
+    "skiplist_words": (_is_words, "a list of non-empty strings"),
+    "query_expansion": (lambda v: v is False or v is None or (isinstance(v, dict) and isinstance(v.get("token") or "", str)),
+                        "false, or an object with attend and token"),
+    "matryoshka_dims": (lambda v: isinstance(v, list) and all(_is_length(d) for d in v), "a list of positive sizes"),
+    "prompt_template": (lambda v: isinstance(v, str), "a string"),
+    "append_eos": (lambda v: isinstance(v, bool), "true or false"),
+    "bidirectional": (lambda v: isinstance(v, bool), "true or false"),
+    "padding_side": (lambda v: v in ("left", "right"), "left or right"),
+    "pad_to_multiple_of": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+                           "a whole number or null"),
+    "lm_token_ids": (lambda v: v is None or (isinstance(v, list) and len(v) == 2 and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)), "two vocabulary ids, or null"),
+    "fusion": (lambda v: v is None or (isinstance(v, dict) and isinstance(v.get("weight"), (int, float))
+                                       and _is_length(v.get("top_k"))), "null or {weight, top_k, ndcg@10}"),
+}
+
+
+@dataclass
+class DirSpec:
+    """What the kit reads of a model dir (read_spec), passed to whoever loads it."""
+    path: str
+    head: str = None  # the kind the dir holds (heads.MODULES); None: a plain Hugging Face dir, any head
+    kit: dict = field(default_factory=dict)  # its retrieval_kit.json (an export of the kit)
+    st: dict = field(default_factory=dict)  # its sentence-transformers settings, in the kit's keys
+    dense: dict = None  # the Dense a one-vector dir applies after the pooling (read_st_dense)
+    projection: dict = None  # a multi-vector dir's token projection (read_multi_vector)
+    markers: list = field(default_factory=list)  # prefix markers its tokenizer keeps whole (PyLate, Stanford)
+    sparse: bool = False  # a SparseEncoder dir (read_sparse)
+
+    def what(self):
+        """The dir's kind in words, for a refusal."""
+        if self.kit.get("kind"):
+            return f"an export of the kit with head {self.head} (its {SETTINGS_FILE})"
+        if self.projection is not None:
+            return "a multi-vector (ColBERT-style) dir, with its token projection"
+        if self.sparse:
+            return "a SparseEncoder (SPLADE) dir"
+        return "a sentence-transformers dir" + (" with a Dense projection after its pooling" if self.dense else "")
+
+
+def read_spec(model_dir):
+    """The dir read as a whole, before any weights load: retrieval_kit.json (load_settings), the
+    sentence-transformers files of any of the layouts the kit reads (read_st_settings, read_st_dense,
+    read_multi_vector, read_sparse), each field checked, and the Dense / projection checked against the
+    model's width (config.json's hidden_size) and their own weights (present, of that shape). One
+    sentence naming the file and the field for anything wrong."""
+    kit = load_settings(model_dir)
+    multi = read_multi_vector(model_dir)
+    sparse = read_sparse(model_dir)
+    st = read_st_settings(model_dir)
+    dense = read_st_dense(model_dir)
+    hidden = _hidden_size(model_dir)
+    for part, what in ((dense, "Dense"), (multi, "token projection")):
+        if part is not None:
+            _check_linear(model_dir, part, hidden, what)
+    if kit.get("head"):
+        head = kit["head"]
+    elif kit.get("kind") == "reranker":
+        head = "classifier"
+    else:
+        head = "multi-vector" if multi else "sparse" if sparse else "single-vector" if (
+            st or kit.get("kind") == "biencoder") else None
+    return DirSpec(model_dir, head, kit, st, dense, multi, list(multi["markers"]) if multi else [], sparse)
+
+
+def _hidden_size(model_dir):
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        return None
+    config = _json(path)
+    size = config.get("hidden_size", config.get("d_model"))
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
+def _check_linear(model_dir, part, hidden, what):
+    """A Dense / projection's in_features against the model's width, and its weight file's tensor
+    against (out_features, in_features); fills in the sizes a Stanford dir leaves to its weights."""
+    from safetensors import SafetensorError, safe_open
+
+    folder, key = part["path"], part["key"]
+    weights = os.path.join(folder, "model.safetensors")
+    shape = None
+    if os.path.isfile(weights):
+        try:
+            with safe_open(weights, "pt") as f:
+                if key not in f.keys():
+                    raise SystemExit(f"{weights}: holds no {key} (the {what}'s weight); copy the model dir whole again")
+                shape = tuple(f.get_slice(key).get_shape())
+        except SafetensorError as e:
+            raise SystemExit(f"{weights}: cannot read it ({e}); copy the model dir whole again") from None
+    elif not os.path.isfile(os.path.join(folder, "pytorch_model.bin")):
+        raise SystemExit(f"{folder}: the {what} has no weights (model.safetensors or pytorch_model.bin); copy the "
+                         "model dir whole again")
+    if shape is not None and shape != (part["out_features"], part["in_features"]):
+        raise SystemExit(f"{weights}: {key} is {'x'.join(map(str, shape))}, its config "
+                         f"({part.get('config')}) says {part['out_features']}x{part['in_features']}; copy the model "
+                         "dir whole again")
+    if hidden is not None and part["in_features"] != hidden:
+        raise SystemExit(f"{part.get('config')}: in_features {part['in_features']} is not the model's width (hidden_size "
+                         f"{hidden} in {os.path.join(model_dir, 'config.json')}): the {what} belongs to another model")
+
+
+def resolve_head(spec, flags, defaults=KIT_DEFAULTS):
+    """The head a bi-encoder run or tool takes, in resolve_biencoder_settings' order."""
+    return next(v["head"] for v in (flags, spec.kit, spec.st, defaults, KIT_DEFAULTS) if v.get("head") is not None)
+
+
+def resolve_biencoder_settings(spec, flags, defaults=KIT_DEFAULTS, head_settings=None):
     """(settings, message): each of SETTING_KEYS from the explicit flag (not None), else the kit's
-    retrieval_kit.json, else the dir's sentence-transformers files, else `defaults`. `message`
-    says what was read from the sentence-transformers files (None when nothing was)."""
-    kit, st = load_settings(model_dir), read_st_settings(model_dir)
+    retrieval_kit.json, else the dir's sentence-transformers files (its spec: read_spec), else
+    `defaults`; then the head's own settings (`head_settings`, {key: default}: its SETTINGS) in the same
+    order. `message` says what was read from the sentence-transformers files (None when nothing was)."""
+    model_dir, kit, st = spec.path, spec.kit, spec.st
     out, from_st = {}, {}
     for k in SETTING_KEYS:
         if flags.get(k) is not None:
@@ -419,8 +620,8 @@ def resolve_biencoder_settings(model_dir, flags, defaults=KIT_DEFAULTS):
             out[k] = from_st[k] = st[k]
         else:
             out[k] = defaults.get(k, KIT_DEFAULTS[k])
-    for k in MAXSIM_KEYS if out["head"] == "multi-vector" else ():  # its tokenization: the same order
-        out[k] = next((v[k] for v in (flags, kit, st) if v.get(k) is not None), MAXSIM_DEFAULTS[k])
+    for k, default in (head_settings or {}).items():  # e.g. multi-vector's tokenization: the same order
+        out[k] = next((v[k] for v in (flags, kit, st) if v.get(k) is not None), default)
         if k in st and k not in kit and flags.get(k) is None and st[k]:
             from_st[k] = st[k]
     if out["include_prompt"] is False:  # the prefixes' tokens stay out of the pooling (collate.tokenize)
@@ -473,3 +674,54 @@ def write_st_files(out_dir, settings, hidden_size, dense=None):
                         f"queries longer than that embed differently there (pass --query-max-length "
                         f"{settings['passage_max_length']} to match)")
     return warnings
+
+
+# ----- files of a reranker export (export.py writes the dir; heads/ add their parts) ---------------
+
+IDENTITY = "torch.nn.modules.linear.Identity"  # sentence-transformers' activation_fn path for raw logits
+
+
+def edit_json(path, fn):
+    """Rewrite the JSON file at `path` with fn(obj) applied."""
+    with open(path) as f:
+        obj = json.load(f)
+    fn(obj)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+
+
+def write_chat_template(out_dir, template):
+    """`template` as the dir's chat template (chat_template.jinja, which transformers reads first)."""
+    with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(template)
+    edit_json(os.path.join(out_dir, "tokenizer_config.json"), lambda c: c.pop("chat_template", None))
+
+
+def drop_chat_template(out_dir):
+    """No chat template in the dir: sentence-transformers then encodes a pair as `tokenizer(query, passage)`."""
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if os.path.isfile(os.path.join(out_dir, name)):
+            os.remove(os.path.join(out_dir, name))
+    edit_json(os.path.join(out_dir, "tokenizer_config.json"), lambda c: c.pop("chat_template", None))
+
+
+def write_lm_cross_encoder_files(out_dir, token_ids, max_length, chat=False):
+    """The sentence-transformers files (6.x layout) that make `CrossEncoder(out_dir)` score a --head lm
+    export as the kit does: its Transformer module on the causal LM ("text-generation", logits of the
+    last position, left padding), then LogitScore: logit(true) - logit(false), no activation.
+    `chat`: pairs go through the chat template's query / document roles (the "message" modality,
+    flat: each message's content a string)."""
+    text = {"method": "forward", "method_output_name": "logits"}
+    modality = {"text": text, **({"message": {**text, "format": "flat"}} if chat else {})}
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_LogitScore",
+                "type": "sentence_transformers.cross_encoder.modules.logit_score.LogitScore"}]
+    files = {"modules.json": modules,
+             os.path.join("1_LogitScore", "config.json"): {"true_token_id": token_ids[0], "false_token_id": token_ids[1],
+                                                           "module_input_name": "causal_logits"},
+             "sentence_bert_config.json": {"transformer_task": "text-generation", "max_seq_length": max_length,
+                                           "modality_config": modality,
+                                           "module_output_name": "causal_logits"},
+             "config_sentence_transformers.json": {"model_type": "CrossEncoder", "activation_fn": IDENTITY,
+                                                   "prompts": {}, "default_prompt_name": None}}
+    _write_files(out_dir, files)

@@ -34,6 +34,7 @@ from transformers import AutoTokenizer
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from retrieval_kit.encode import encode_texts  # noqa: E402
 from retrieval_kit.mine import mine_hard_negatives  # noqa: E402
+from retrieval_kit.heads.single_vector import BiEncoder  # noqa: E402
 from retrieval_kit.models import default_model_dir, load_encoder  # noqa: E402
 
 
@@ -121,8 +122,8 @@ def main():
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = load_encoder(model_dir, torch.float32)
     texts = [it["text"] for it in train_val]
-    p_emb = encode_texts(model, tok, texts, args.max_length, progress=True, desc="passages")
-    q_emb = encode_texts(model, tok, [it["query"] for it in train_val], 32, progress=True, desc="queries")
+    p_emb = encode_texts(BiEncoder(model), tok, texts, args.max_length, progress=True, desc="passages")
+    q_emb = encode_texts(BiEncoder(model), tok, [it["query"] for it in train_val], 32, progress=True, desc="queries")
     positives = [[i] for i in range(len(texts))]
     negs = mine_hard_negatives(q_emb[:args.n_train], p_emb[:args.n_train], positives[:args.n_train], k=args.n_negatives,
                                skip_top=args.skip_top, max_score_ratio=args.max_score_ratio, p_texts=texts[:args.n_train],

@@ -26,9 +26,10 @@ from retrieval_kit import ckpt, data, dist, lora, loop, optim, precision  # noqa
 from retrieval_kit.records import read_records  # noqa: E402
 from retrieval_kit.chunking import chunk_batch  # noqa: E402
 from retrieval_kit.collate import collate_biencoder, collate_rerank, maxsim_sides  # noqa: E402
-from retrieval_kit.losses import Flops, contrastive_loss, listwise_loss  # noqa: E402
-from retrieval_kit.models import (BiEncoder, CrossEncoder, LateInteraction, Splade, attach_multi_vector,  # noqa: E402
-                                  load_encoder, load_reranker, load_sparse)
+from retrieval_kit.heads import classifier, multi_vector, single_vector, sparse  # noqa: E402
+from retrieval_kit.heads.single_vector import BiEncoder  # noqa: E402
+from retrieval_kit.losses import contrastive_loss, listwise_loss  # noqa: E402
+from retrieval_kit.models import load_encoder  # noqa: E402
 
 B, N, TEMP = 4, 3, 0.05  # queries per rank, passages per group
 # Adam's first steps move each weight by about lr * sign(grad): a grad that is ~0 in both runs can
@@ -67,9 +68,9 @@ def bi_step(model, opt, tok, queries, groups, gather, label_offset, max_norm, us
 
     def loss_fn(out):
         p_all = dist.gather_with_grad(out["p"]) if gather else out["p"]
-        loss = contrastive_loss(out["q"], p_all, N, TEMP, True, label_offset(per) if gather else 0)
-        if isinstance(dist.unwrap(model), Splade):  # --head sparse: FLOPS of every rank's queries and passages
-            loss = loss + FLOPS(dist.gather_with_grad(out["q"]) if gather else out["q"], p_all)[0]
+        loss = contrastive_loss(out["q"], p_all, N, TEMP, True, label_offset(per) if gather else 0, scores=HEAD[0].scores)
+        if REG:  # --head sparse: FLOPS of every rank's queries and passages
+            loss = loss + REG[0](dist.gather_with_grad(out["q"]) if gather else out["q"], p_all)[0]
         return loss, None
     for m in range(accum):
         qb, pb = collate_biencoder(tok, queries[m * per:(m + 1) * per], groups[m * per:(m + 1) * per], 16, 32,
@@ -86,17 +87,13 @@ def bi_step(model, opt, tok, queries, groups, gather, label_offset, max_norm, us
 
 
 def bi_model(enc):
-    """BiEncoder; LateInteraction (token vectors) for an encoder with a multi-vector projection; Splade
-    (vocabulary-sized vectors) for a model with an MLM head."""
-    if hasattr(enc, "cls"):
-        return Splade(enc)
-    return LateInteraction(enc, WIDTHS) if hasattr(enc, "multi_vector") else BiEncoder(enc)
+    """The module the head of the checks under way runs (HEAD): BiEncoder, LateInteraction (token vectors,
+    padded to collate_biencoder's max lengths below), Splade (vocabulary-sized vectors)."""
+    return HEAD[0].embedder(enc, SETTINGS)
 
 
-FLOPS = Flops([1e-3, 5e-4], 0, None)  # --head sparse's regularizer at full weight (no warm-up)
-
-
-WIDTHS = {"q": 16, "p": 32}  # the multi-vector widths: collate_biencoder's max lengths below
+HEAD, REG = [single_vector], []  # the head under test; sparse: its regularizer, FLOPS at full weight (no warm-up)
+SETTINGS = {"pooling": "avg", "normalize": True, "query_max_length": 16, "passage_max_length": 32}
 SIDES = {}  # the multi-vector tokenization (collate.maxsim_sides): set for the ColBERT-style checks
 
 
@@ -114,9 +111,9 @@ def reference_bi(enc0, tok, steps, max_norm, accum=1, world=2):
             idx = [r * per_rank + m * per + i for r in range(world) for i in range(per)]
             qb, pb = collate_biencoder(tok, [queries[i] for i in idx], [groups[i] for i in idx], 16, 32, sides=SIDES)
             out = model(q=qb, p=pb)
-            loss = contrastive_loss(out["q"], out["p"], N, TEMP, True)
-            if isinstance(model, Splade):
-                loss = loss + FLOPS(out["q"], out["p"])[0]
+            loss = contrastive_loss(out["q"], out["p"], N, TEMP, True, scores=HEAD[0].scores)
+            if REG:
+                loss = loss + REG[0](out["q"], out["p"])[0]
             (loss / accum).backward()
             total += loss.item() / accum
         if not grads:
@@ -231,15 +228,15 @@ def main():
     # control: without the gather each rank only sees its own passages - the check must notice
     compare("control_no_gather", run_bi(ctx, enc0, tok, steps, "ddp", gather=False), ref)
     # --head multi-vector: token vectors (and their masks) gathered with their gradients, MaxSim scores
-    mv0 = attach_multi_vector(copy.deepcopy(enc0), 8, 0)
+    HEAD[0] = multi_vector
+    mv0 = multi_vector.load(model_dir, dim=8, seed=0).eval()
     ref_mv = reference_bi(mv0, tok, steps, 1.0)
     compare("multi_vector_ddp_vs_single", run_bi(ctx, mv0, tok, steps, "ddp"), ref_mv)
     compare("multi_vector_fsdp2_vs_single", run_bi(ctx, mv0, tok, steps, "fsdp2"), ref_mv)
     compare("multi_vector_ddp_grad_cache", run_bi(ctx, mv0, tok, steps, "ddp", grad_cache=24), ref_mv)
     compare("multi_vector_control_no_gather", run_bi(ctx, mv0, tok, steps, "ddp", gather=False), ref_mv)
     # ColBERT's tokenization: [MASK] query expansion (scored, not attended) and the passages' punctuation skiplist
-    SIDES.update(maxsim_sides(tok, {"head": "multi-vector", "query_expansion": {"attend": False},
-                                    "skiplist_words": list(string.punctuation)}))
+    SIDES.update(maxsim_sides(tok, {"query_expansion": {"attend": False}, "skiplist_words": list(string.punctuation)}))
     ref_cb = reference_bi(mv0, tok, steps, 1.0)
     compare("colbert_ddp_vs_single", run_bi(ctx, mv0, tok, steps, "ddp"), ref_cb)
     compare("colbert_ddp_grad_cache", run_bi(ctx, mv0, tok, steps, "ddp", grad_cache=24), ref_cb)
@@ -247,11 +244,15 @@ def main():
     SIDES.clear()
     # --head sparse: vocabulary-sized vectors gathered with their gradients, the FLOPS term over the global batch
     torch.manual_seed(0)
-    sp0 = load_sparse(model_dir).eval()
+    HEAD[0] = sparse
+    REG.append(sparse.Flops([1e-3, 5e-4], 0, None))
+    sp0 = sparse.load(model_dir).eval()
     ref_sp = reference_bi(sp0, tok, steps, 1.0)
     compare("sparse_ddp_vs_single", run_bi(ctx, sp0, tok, steps, "ddp"), ref_sp)
     compare("sparse_fsdp2_vs_single", run_bi(ctx, sp0, tok, steps, "fsdp2"), ref_sp)
     compare("sparse_ddp_grad_cache", run_bi(ctx, sp0, tok, steps, "ddp", grad_cache=24), ref_sp)
+    HEAD[0] = single_vector
+    REG.clear()
 
     # ----- LoRA (issue 26): adapters on the frozen base, under DDP, FSDP2, GradCache + accumulation and
     # activation checkpointing, vs one process; lora_B drawn non-zero so every adapter gets a gradient
@@ -278,11 +279,11 @@ def main():
 
     # ----- reranker: DDP on 2 ranks vs one process ------------------------------------------------
     torch.manual_seed(1)
-    net0 = load_reranker(model_dir).eval()
+    net0 = classifier.load(model_dir).eval()
     queries, groups = steps[0]
 
     def rr_run(net, wrap, grad_cache=0):
-        model = CrossEncoder(net, "avg")
+        model = classifier.Classifier(net, "avg")
         if wrap:
             model = dist.wrap_ddp(model, ctx, static_graph=not grad_cache)
             sl = slice(ctx.rank * B, (ctx.rank + 1) * B)
@@ -319,8 +320,8 @@ def main():
     # ----- corpus encoding split over ranks equals one process --------------------------------------
     from retrieval_kit.encode import encode_sharded, encode_texts
     texts = [t for r in records[:37] for t in r.pos][:37]  # 37: the shards differ in size
-    whole = encode_texts(enc0, tok, texts, 48, batch_size=8)
-    split = encode_sharded(enc0, tok, texts, 48, batch_size=8)
+    whole = encode_texts(BiEncoder(enc0), tok, texts, 48, batch_size=8)
+    split = encode_sharded(BiEncoder(enc0), tok, texts, 48, batch_size=8)
     results["sharded_encoding"] = {"max_diff": (whole - split).abs().max().item(), "rows": split.shape[0]}
     fsdp_enc = copy.deepcopy(enc0)
     fsdp_model = dist.wrap_fsdp2(BiEncoder(fsdp_enc), dist.transformer_layers(fsdp_enc))
@@ -340,8 +341,9 @@ def main():
         batch = biencoder_inputs(qs, gs, **collate)
         with torch.no_grad():
             out = BiEncoder(enc0)(q=batch["q"], p=batch["p"])
-        loss, _, counts = biencoder_loss(out, n_passages=N, temperature=TEMP, gather=gather, label_offset=offset,
-                                         p_keys=batch["p_keys"])
+        gathers = {"gather": dist.gather, "gather_with_grad": dist.gather_with_grad} if gather else {}
+        loss, _, counts = biencoder_loss(out, n_passages=N, temperature=TEMP, label_offset=offset,
+                                         p_keys=batch["p_keys"], **gathers)
         return loss.item(), counts["duplicates_masked"].item()
     ref_loss, ref_count = masked(queries, groups, False, 0)
     mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
@@ -367,12 +369,12 @@ def main():
     # ----- FSDP2 from the meta device: rank 0 alone loads, the shards get its weights ------------
     import functools
     from retrieval_kit.models import load_once
-    for kind, loader in (("biencoder", load_encoder), ("reranker", load_reranker)):
+    for kind, loader in (("biencoder", load_encoder), ("reranker", classifier.load)):
         torch.manual_seed(100 + ctx.rank)  # a fresh head drawn differently on each rank: rank 0's must win
         net, source = load_once(functools.partial(loader, model_dir), True, ctx)
         loaded_bytes = sum(p.numel() * p.element_size() for m in (net, source) if m is not None
                            for p in m.parameters() if not p.is_meta)
-        module = BiEncoder(net) if kind == "biencoder" else CrossEncoder(net, "avg")
+        module = BiEncoder(net) if kind == "biencoder" else classifier.Classifier(net, "avg")
         dist.wrap(module, net, ctx, parallel="fsdp2", source=source)
         full = ckpt.full_state_dict(net, all_ranks=True)
         ref = source.state_dict() if source is not None else None

@@ -11,7 +11,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from retrieval_kit import dist, lora, optim, plan  # noqa: E402
-from retrieval_kit.models import BiEncoder, load_encoder  # noqa: E402
+from retrieval_kit.heads.single_vector import BiEncoder  # noqa: E402
+from retrieval_kit.models import load_encoder  # noqa: E402
 from tests.test_plan import real_bytes  # noqa: E402
 
 

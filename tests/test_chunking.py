@@ -7,7 +7,9 @@ from transformers import AutoTokenizer
 from retrieval_kit.chunking import chunk_batch
 from retrieval_kit.collate import collate_biencoder, collate_rerank
 from retrieval_kit.losses import contrastive_loss, listwise_loss
-from retrieval_kit.models import BiEncoder, CrossEncoder, load_encoder, load_reranker, setup_pad_token
+from retrieval_kit.heads.classifier import Classifier, load as load_reranker
+from retrieval_kit.heads.single_vector import BiEncoder
+from retrieval_kit.models import load_encoder, setup_pad_token
 
 QUERIES = ["python library", "a graphical user interface for the command line tool", "server",
            "documentation of the data package"]
@@ -112,7 +114,7 @@ def test_reranker_chunked_equals_unchunked(tiny_model_dir, tiny_decoder_dir, sid
     tok.padding_side = side
     batch = collate_rerank(tok, QUERIES, GROUPS, max_length=64, append_eos=side == "left")
     results = []
-    model = CrossEncoder(net, pooling)
+    model = Classifier(net, pooling)
     for chunk_tokens in (0, 40, 48):
         pairs = chunk_batch(batch, chunk_tokens, 8 if chunk_tokens == 48 else None)
         assert chunk_tokens == 0 or (len(pairs.chunks) > 2 and pairs.left == (side == "left"))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import ROOT, minilm_dir, python_run, run_script
-from retrieval_kit.losses import maxsim
+from retrieval_kit.heads.multi_vector import maxsim
 from retrieval_kit.st_format import read_multi_vector
 
 QUERIES = ["how do i list files?", "compress data, fast"]
@@ -86,16 +86,15 @@ def stanford_dir(base, out, query_maxlen=16, doc_maxlen=48, dim=16, **metadata):
 
 
 def kit_vectors(model_dir, queries=QUERIES, docs=DOCS):
-    """The kit's fp32 token vectors of `queries` and `docs` (models.token_vectors over collate.tokenize
+    """The kit's fp32 token vectors of `queries` and `docs` (multi_vector.token_vectors over collate.tokenize
     with the dir's settings and MaxSim sides), and the settings."""
-    from retrieval_kit.collate import maxsim_sides, tokenize
-    from retrieval_kit.evaluate import biencoder_settings
-    from retrieval_kit.models import load_encoder, load_tokenizer, prepare_embedder, token_vectors
+    from retrieval_kit.collate import tokenize
+    from retrieval_kit.evaluate import load_biencoder
+    from retrieval_kit.heads.multi_vector import token_vectors
 
-    settings = biencoder_settings(model_dir, {})
-    tok, enc = load_tokenizer(model_dir), load_encoder(model_dir).eval()
-    prepare_embedder(tok, enc, settings)
-    sides = maxsim_sides(tok, settings)
+    model, tok, settings, head = load_biencoder(model_dir)
+    enc = model.encoder
+    sides = head.sides(tok, settings)
     with torch.no_grad():
         q = token_vectors(enc, tokenize(tok, queries, settings["query_max_length"], settings["query_prefix"],
                                         side=sides["q"]))
@@ -236,17 +235,15 @@ def test_expansion_columns_survive_length_chunks():
 def test_evaluate_searches_a_pylate_dir_with_its_expansion_and_skiplist(tiny_model_dir, small_beir, tmp_path):
     """evaluate's exact MaxSim search over a ColBERT dir's corpus: the metrics of a naive MaxSim
     ranking of the token vectors the dir's settings give (stored in bf16, as evaluate stores them)."""
-    from retrieval_kit.evaluate import load_beir, retrieve
+    from retrieval_kit.evaluate import load_beir, load_biencoder, retrieve
     from retrieval_kit.metrics import retrieval_metrics
-    from retrieval_kit.models import load_encoder, load_tokenizer, prepare_embedder
 
     src = pylate_dir(tiny_model_dir, tmp_path / "pylate")
     beir = load_beir(small_beir)
     ids, texts, queries, qrels = beir
     qids = [q for q in queries if q in qrels]
     q, d, settings = kit_vectors(src, [queries[x] for x in qids], texts)
-    tok, enc = load_tokenizer(src), load_encoder(src).eval()
-    prepare_embedder(tok, enc, settings)
+    enc, tok, _, _ = load_biencoder(src)
     got = retrieval_metrics(retrieve(enc, tok, settings, beir, k=5), qrels)
     ref = maxsim(q.to(torch.bfloat16).float(), d.to(torch.bfloat16).float())
     run = {qid: {ids[j]: float(ref[i, j]) for j in ref[i].argsort(descending=True)[:5].tolist()}
@@ -267,7 +264,7 @@ def test_query_expansion_with_a_left_padding_tokenizer_is_one_sentence():
     tok = AutoTokenizer.from_pretrained(minilm_dir())
     tok.padding_side = "left"
     with pytest.raises(SystemExit, match="--query-expansion"):
-        maxsim_sides(tok, {"head": "multi-vector", "query_expansion": {"attend": False}})
+        maxsim_sides(tok, {"query_expansion": {"attend": False}})
 
 
 @pytest.mark.slow

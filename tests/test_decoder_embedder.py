@@ -15,7 +15,9 @@ from transformers import AutoModel, AutoTokenizer
 from retrieval_kit import ckpt, lora
 from retrieval_kit.collate import tokenize
 from retrieval_kit.evaluate import biencoder_settings
-from retrieval_kit.models import (BiEncoder, encode, load_encoder, load_tokenizer, make_bidirectional,
+from retrieval_kit.heads.single_vector import BiEncoder, encode
+from retrieval_kit.st_format import read_spec
+from retrieval_kit.models import (load_encoder, load_tokenizer, make_bidirectional,
                                   prepare_embedder)
 from tests.conftest import run_script, WORDS
 from tests.test_ckpt import assert_same_run, kill_after_checkpoint, launch
@@ -73,9 +75,9 @@ def test_a_decoder_pads_left_and_ends_each_text_with_eos_and_so_does_its_saved_t
 
 
 def test_decoders_pool_the_last_token_by_default_and_encoders_refuse_the_decoder_flags(qwen3_base, tiny_model_dir):
-    assert biencoder_settings(qwen3_base, {})["pooling"] == "last"
-    assert biencoder_settings(tiny_model_dir, {})["pooling"] == "avg"
-    assert biencoder_settings(qwen3_base, {"pooling": "avg"})["pooling"] == "avg"
+    assert biencoder_settings(read_spec(qwen3_base), {})["pooling"] == "last"
+    assert biencoder_settings(read_spec(tiny_model_dir), {})["pooling"] == "avg"
+    assert biencoder_settings(read_spec(qwen3_base), {"pooling": "avg"})["pooling"] == "avg"
     for flag, kw in (("--append-eos", {"append_eos": True}), ("--bidirectional", {"bidirectional": True})):
         with pytest.raises(SystemExit, match=f"{flag}: BertModel is an encoder \\(bert\\)"):
             prepare_embedder(load_tokenizer(tiny_model_dir), load_encoder(tiny_model_dir), AVG, **kw)
@@ -152,7 +154,7 @@ def test_the_lora_decoder_export_embeds_alike_in_sentence_transformers_transform
 
     # the kit on the merged export (as evaluate / mine / score load it)
     tok, enc = load_tokenizer(final), load_encoder(final).eval()
-    settings = biencoder_settings(final, {})
+    settings = biencoder_settings(read_spec(final), {})
     prepare_embedder(tok, enc, settings)
     q_batch, p_batch = tokenize(tok, TEXTS, 32, settings["query_prefix"]), tokenize(tok, TEXTS, 32)
     with torch.no_grad():

@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 
 from retrieval_kit.collate import collate_biencoder
 from retrieval_kit.losses import contrastive_loss
-from retrieval_kit.models import BiEncoder, load_encoder
+from retrieval_kit.heads.single_vector import BiEncoder
+from retrieval_kit.models import load_encoder
 from tests.conftest import ROOT, run_watched
 from tests.test_chunking import GROUPS, QUERIES, assert_same, loss_and_grads
 

@@ -19,7 +19,8 @@ from retrieval_kit import loop
 from retrieval_kit.chunking import chunk_batch
 from retrieval_kit.collate import collate_biencoder
 from retrieval_kit.losses import contrastive_scores, distill_kl
-from retrieval_kit.models import BiEncoder, load_encoder
+from retrieval_kit.heads.single_vector import BiEncoder
+from retrieval_kit.models import load_encoder
 from tests.conftest import python_run, read_jsonl, ROOT, run_script
 from tests.test_chunking import GROUPS, QUERIES
 
@@ -97,7 +98,7 @@ def test_grad_cache_step_gives_the_plain_steps_loss_and_grads_with_the_kl_term(t
 
 def reranker_export(tiny_model_dir, out):
     from retrieval_kit.export import export_reranker
-    from retrieval_kit.models import load_reranker
+    from retrieval_kit.heads.classifier import load as load_reranker
 
     torch.manual_seed(0)
     net = load_reranker(tiny_model_dir)
@@ -252,8 +253,8 @@ def test_a_biencoder_export_scores_by_the_inner_product_of_its_embeddings(scored
     assert proc.returncode == 0, e[-3000:]
     for row in read_jsonl(out)[:4]:
         docs = row["pos"] + row["neg"]
-        q = encode_texts(enc, tok, [row["query"]], 32)
-        p = encode_texts(enc, tok, docs, 48)
+        q = encode_texts(BiEncoder(enc), tok, [row["query"]], 32)
+        p = encode_texts(BiEncoder(enc), tok, docs, 48)
         assert row["pos_scores"] + row["neg_scores"] == pytest.approx((q @ p.T)[0].tolist(), abs=1e-5)
 
 

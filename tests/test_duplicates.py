@@ -14,7 +14,8 @@ from transformers import AutoTokenizer
 from retrieval_kit import loop
 from retrieval_kit.collate import biencoder_inputs, text_keys
 from retrieval_kit.losses import contrastive_loss, duplicate_mask
-from retrieval_kit.models import BiEncoder, load_encoder
+from retrieval_kit.heads.single_vector import BiEncoder
+from retrieval_kit.models import load_encoder
 from tests.conftest import ROOT, read_jsonl, run_script
 
 

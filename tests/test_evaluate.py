@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from retrieval_kit.export import export_model
-from retrieval_kit.models import load_reranker
+from retrieval_kit.heads.classifier import load as load_reranker
 from tests.conftest import needs_cpu_bf16, python_run, run_module
 
 

@@ -16,7 +16,8 @@ from retrieval_kit.records import read_records
 from retrieval_kit.collate import DEFAULT_TEMPLATE, encode_pair, PAIR
 from retrieval_kit.encode import rerank_groups
 from retrieval_kit.export import export_reranker, load_exported_reranker
-from retrieval_kit.models import load_reranker, rerank_head, setup_pad_token
+from retrieval_kit.heads.classifier import load as load_reranker, rerank_head
+from retrieval_kit.models import setup_pad_token
 from tests.conftest import reference_pair_ids, ROOT, stock_scores
 
 

@@ -160,11 +160,10 @@ def test_select_best_on_a_split_the_run_validates_passes_the_start_up_check(tiny
 
 def test_head_lm_on_an_encoder_and_a_lora_rank_wider_than_a_layer_are_refused(tiny_model_dir):
     from retrieval_kit import lora
-    from retrieval_kit.models import load_lm_reranker
+    from retrieval_kit.heads import lm
 
-    with pytest.raises(SystemExit, match=r"--head lm \(plan: --kind lm-reranker\): .* is a bert encoder, not a causal "
-                                         "LM"):
-        load_lm_reranker(tiny_model_dir)
+    with pytest.raises(SystemExit, match=r"--head lm: .* is a bert encoder, not a causal LM"):
+        lm.load(tiny_model_dir)
     model = load_encoder(tiny_model_dir)  # 32 wide
     lora.apply_lora(load_encoder(tiny_model_dir), 32, 64.0)
     with pytest.raises(SystemExit, match=r"--lora-rank 33: above the width of the targeted layer "
@@ -187,7 +186,7 @@ def test_the_tools_answer_the_newest_mistakes_without_a_traceback(tiny_model_dir
     import json
 
     from retrieval_kit.export import export_reranker
-    from retrieval_kit.models import load_reranker
+    from retrieval_kit.heads.classifier import load as load_reranker
 
     partial = tmp_path / "partial"
     partial.mkdir()
@@ -199,7 +198,7 @@ def test_the_tools_answer_the_newest_mistakes_without_a_traceback(tiny_model_dir
     cases = [(["-m", "retrieval_kit.plan", "--model", tiny_model_dir, "--world-size", "0", "--parallel", "fsdp2"],
               2, "argument --world-size: must be a positive integer, got 0"),
              (["-m", "retrieval_kit.plan", "--model", tiny_model_dir, "--world-size", "-2"], 2, "got -2"),
-             (["-m", "retrieval_kit.plan", "--model", tiny_model_dir, "--kind", "lm-reranker"], 1,
+             (["-m", "retrieval_kit.plan", "--model", tiny_model_dir, "--head", "lm"], 1,
               "is a bert encoder, not a causal LM"),
              (["-m", "retrieval_kit.plan", "--model", str(partial)], 0,
               f"note: {partial}/config.json does not set vocab_size, hidden_size, num_hidden_layers, "

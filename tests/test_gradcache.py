@@ -9,7 +9,9 @@ from retrieval_kit.chunking import chunk_batch
 from retrieval_kit.collate import collate_biencoder, collate_rerank
 from retrieval_kit.gradcache import grad_cache
 from retrieval_kit.losses import contrastive_loss, listwise_loss
-from retrieval_kit.models import BiEncoder, CrossEncoder, load_encoder, load_reranker, setup_pad_token
+from retrieval_kit.heads.classifier import Classifier as CrossEncoder, load as load_reranker
+from retrieval_kit.heads.single_vector import BiEncoder
+from retrieval_kit.models import load_encoder, setup_pad_token
 from tests.test_chunking import GROUPS, QUERIES, assert_same, loss_and_grads
 
 

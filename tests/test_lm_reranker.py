@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from retrieval_kit.collate import TEMPLATE_PRESETS, collate_rerank
-from retrieval_kit.models import CrossEncoder, lm_token_ids, load_lm_reranker, setup_pad_token
+from retrieval_kit.heads import lm
+from retrieval_kit.models import setup_pad_token
+
+lm_token_ids, load_lm_reranker = lm.token_ids, lm.load
 from tests.conftest import python_run, ROOT, run_script, WORDS
 
 QUERIES = ["python package manager", "graphical user interface"]
@@ -58,7 +61,7 @@ def test_lm_head_score_is_the_causal_lms_yes_minus_no_at_the_last_token(kind, lm
         batch = collate_rerank(tok, QUERIES, GROUPS, template, max_length=192)
         assert (batch["attention_mask"][:, 0] == 0).any()  # rows of different lengths, padded on the left
         with torch.no_grad():
-            kit = CrossEncoder(net, lm_tokens=ids)(pairs=batch)["pairs"]
+            kit = lm.LMScore(net, ids)(pairs=batch)["pairs"]
             assert not calls  # the kit never ran the LM head over positions
             logits = net(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, -1]
         calls.clear()
@@ -80,7 +83,8 @@ def test_a_head_lm_run_exports_a_causal_lm_that_scores_as_the_kit(lora, lm_token
     from transformers import AutoModelForCausalLM
 
     from retrieval_kit.encode import rerank_groups
-    from retrieval_kit.export import load_exported_reranker, rerank_layout
+    from retrieval_kit.collate import rerank_layout
+    from retrieval_kit.export import load_exported_reranker
 
     path = causal_dir("qwen3", lm_tokenizer, tmp_path / "qwen3")
     out = tmp_path / "run"

@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from retrieval_kit import ckpt, lora, optim, plan
-from retrieval_kit.models import BiEncoder, fresh_head_params, load_encoder, load_lm_reranker, load_reranker
+from retrieval_kit.heads import classifier, lm
+from retrieval_kit.heads.single_vector import BiEncoder
+from retrieval_kit.models import load_encoder
+
+load_reranker, load_lm_reranker, fresh_head_params = classifier.load, lm.load, classifier.fresh_params
 from tests.test_plan import real_bytes
 
 

@@ -16,7 +16,8 @@ from retrieval_kit import loop
 from retrieval_kit.chunking import chunk_batch
 from retrieval_kit.collate import collate_biencoder
 from retrieval_kit.losses import matryoshka_loss
-from retrieval_kit.models import BiEncoder, load_encoder
+from retrieval_kit.heads.single_vector import BiEncoder
+from retrieval_kit.models import load_encoder
 from tests.conftest import python_run, ROOT
 from tests.test_chunking import GROUPS, QUERIES
 
@@ -84,7 +85,7 @@ def test_sentence_transformers_truncate_dim_reads_an_export_as_the_kit_truncates
         "query_max_length": 48, "passage_max_length": 48, "temperature": 0.05, "matryoshka_dims": [32, 16, 8]})
     texts = ["a command line tool for files", "python library documentation"]
     st = SentenceTransformer(final, device="cpu", truncate_dim=16).encode(texts, convert_to_tensor=True)
-    kit = encode_texts(enc, tok, texts, 48)[:, :16]
+    kit = encode_texts(BiEncoder(enc), tok, texts, 48)[:, :16]
     assert st.shape == (2, 16) and torch.allclose(F.normalize(st, dim=-1), F.normalize(kit, dim=-1), atol=1e-5)
 
 
@@ -101,8 +102,8 @@ def test_retrieval_per_size_is_an_exact_search_over_each_renormalized_prefix(tin
     beir = (ids, docs, queries, {q: {"d0": 1} for q in queries})
     settings = {"pooling": "avg", "normalize": True, "query_prefix": "", "passage_prefix": "",
                 "query_max_length": 32, "passage_max_length": 32}
-    runs = retrieve_dims(enc, tok, settings, beir, [None, 16, 8], k=5)
-    q_emb, p_emb = encode_texts(enc, tok, QUERIES, 32), encode_texts(enc, tok, docs, 32)
+    runs = retrieve_dims(BiEncoder(enc), tok, settings, beir, [None, 16, 8], k=5)
+    q_emb, p_emb = encode_texts(BiEncoder(enc), tok, QUERIES, 32), encode_texts(BiEncoder(enc), tok, docs, 32)
     for d in (None, 16, 8):
         q, p = (q_emb, p_emb) if d is None else (F.normalize(q_emb[:, :d], dim=-1), F.normalize(p_emb[:, :d], dim=-1))
         s, i = exact_topk(q, p, 5)

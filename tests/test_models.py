@@ -6,7 +6,9 @@ import torch.nn.functional as F
 from transformers import AutoModel, AutoTokenizer, BertModel
 
 from retrieval_kit.collate import collate_rerank, tokenize
-from retrieval_kit.models import (BiEncoder, CrossEncoder, encode, load_encoder, load_reranker, make_bidirectional,
+from retrieval_kit.heads import classifier
+from retrieval_kit.heads.single_vector import BiEncoder, encode
+from retrieval_kit.models import (load_encoder, make_bidirectional,
                                   pool, setup_pad_token)
 
 
@@ -66,7 +68,7 @@ def test_encode_normalizes_and_biencoder_matches(tiny_model_dir, tokenizer):
 def test_decoder_pad_token_and_left_right_padding(tiny_decoder_dir):
     tok = AutoTokenizer.from_pretrained(tiny_decoder_dir)
     assert tok.pad_token is None
-    net = load_reranker(tiny_decoder_dir).eval()
+    net = classifier.load(tiny_decoder_dir).eval()
     setup_pad_token(tok, net)
     assert tok.pad_token == tok.eos_token and net.config.pad_token_id == tok.eos_token_id
     queries, groups = ["python library"], [["a python package for data", "the server"]]
@@ -77,7 +79,7 @@ def test_decoder_pad_token_and_left_right_padding(tiny_decoder_dir):
         assert (batch["attention_mask"][:, 0 if side == "left" else -1] == 0).any()  # really padded
         for pooling in ("last", "avg"):
             with torch.no_grad():
-                out[side, pooling] = CrossEncoder(net, pooling)(pairs=batch)["pairs"]
+                out[side, pooling] = classifier.Classifier(net, pooling)(pairs=batch)["pairs"]
     for pooling in ("last", "avg"):
         assert torch.allclose(out["left", pooling], out["right", pooling], atol=1e-5), pooling
 

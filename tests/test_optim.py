@@ -56,7 +56,7 @@ def test_lr_schedule_values():
 def test_head_lr_mult_scales_only_the_fresh_head():
     from transformers import BertForSequenceClassification
 
-    from retrieval_kit.models import fresh_head_params
+    from retrieval_kit.heads.classifier import fresh_params as fresh_head_params
 
     torch.manual_seed(0)
     model = BertForSequenceClassification(tiny_bert_config(100, num_labels=1))

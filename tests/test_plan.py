@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from retrieval_kit import optim, plan
-from retrieval_kit.models import BiEncoder, load_encoder
+from retrieval_kit.heads.single_vector import BiEncoder
+from retrieval_kit.models import load_encoder
 from tests.conftest import python_run, ROOT, run_watched
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from retrieval_kit import ckpt, optim, precision
-from retrieval_kit.models import load_reranker
+from retrieval_kit.heads.classifier import load as load_reranker
 from tests.conftest import needs_cpu_bf16
 
 
@@ -90,22 +90,24 @@ def test_autocast_forward_computes_in_bf16_and_hands_back_fp32_embeddings_and_sc
 
     from retrieval_kit.collate import PAIR
     from retrieval_kit.encode import encode_texts, score_pairs
-    from retrieval_kit.models import CrossEncoder, load_encoder
+    from retrieval_kit.heads.classifier import Classifier
+    from retrieval_kit.heads.single_vector import BiEncoder
+    from retrieval_kit.models import load_encoder
 
     texts = ["a short text", "a somewhat longer text about package managers and their caches", "x"] * 3
     enc = load_encoder(tiny_model_dir).eval()
-    fp32 = encode_texts(enc, tokenizer, texts, 32)
+    fp32 = encode_texts(BiEncoder(enc), tokenizer, texts, 32)
     half = precision.autocast_forward(copy.deepcopy(enc), "cpu", torch.bfloat16)
     seen = []
     half.encoder.layer[0].intermediate.dense.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
-    got = encode_texts(half, tokenizer, texts, 32)
+    got = encode_texts(BiEncoder(half), tokenizer, texts, 32)
     assert seen and set(seen) == {torch.bfloat16}
     assert got.dtype == torch.float32 and not torch.equal(got, fp32)
     assert F.cosine_similarity(got, fp32).min() > 0.999
     assert precision.autocast_forward(enc, "cpu", None) is enc and enc.forward.__func__ is type(enc).forward
 
     torch.manual_seed(0)
-    rr = CrossEncoder(load_reranker(tiny_model_dir)).eval()
+    rr = Classifier(load_reranker(tiny_model_dir)).eval()
     settings = {"prompt_template": PAIR, "rerank_max_length": 48, "append_eos": False, "padding_side": "right",
                 "pad_to_multiple_of": 8}
     ref = score_pairs(rr, tokenizer, texts, texts[::-1], settings)

@@ -263,7 +263,8 @@ def test_a_full_disk_is_one_sentence_and_keeps_the_checkpoints(limit, extra, say
 
 @pytest.mark.slow
 def test_a_model_dir_that_does_not_load_is_one_sentence(tmp_path):
-    from retrieval_kit.models import load_encoder, load_reranker, load_tokenizer
+    from retrieval_kit.heads.classifier import load as load_reranker
+    from retrieval_kit.models import load_encoder, load_tokenizer
 
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')  # a config, no weights, no tokenizer
     for load, what in ((load_encoder, "model"), (load_reranker, "model"), (load_tokenizer, "tokenizer")):

@@ -211,8 +211,7 @@ def test_the_decoder_embedder_export_embeds_as_the_kit_in_sentence_transformers(
     from sentence_transformers import SentenceTransformer
 
     from retrieval_kit.collate import tokenize
-    from retrieval_kit.evaluate import biencoder_settings
-    from retrieval_kit.models import BiEncoder, load_encoder, load_tokenizer, prepare_embedder
+    from retrieval_kit.evaluate import load_biencoder
 
     prompt = "Instruct: Given a question, retrieve passages that answer it\nQuery: "
     run_script("train_biencoder.py", ["--model", smollm2_dir, "--lora-rank", 8, "--lr", 1e-3, "--query-prefix", prompt,
@@ -223,14 +222,12 @@ def test_the_decoder_embedder_export_embeds_as_the_kit_in_sentence_transformers(
     with open(os.path.join(final, "retrieval_kit.json")) as f:
         saved = json.load(f)
     assert saved["pooling"] == "last" and saved["decoder"] and saved["append_eos"]
-    tok, enc = load_tokenizer(final), load_encoder(final).eval()
-    settings = biencoder_settings(final, {})
-    prepare_embedder(tok, enc, settings)
+    model, tok, settings, _ = load_biencoder(final)
     texts = QUERIES + [p for g in GROUPS for p in g]
     q_batch, p_batch = tokenize(tok, QUERIES, 32, settings["query_prefix"]), tokenize(tok, texts, 48)
     assert (q_batch["input_ids"][:, -1] == tok.convert_tokens_to_ids("<|im_end|>")).all()  # EOS appended, left pad
     with torch.no_grad():
-        kit_q, kit_p = (BiEncoder(enc, "last").embed(b) for b in (q_batch, p_batch))
+        kit_q, kit_p = (model.embed(b) for b in (q_batch, p_batch))  # (its pooling: last, as saved)
     st = SentenceTransformer(final, device="cpu")
     st_q = st.encode(QUERIES, prompt_name="query", convert_to_tensor=True)
     st_p = st.encode(texts, convert_to_tensor=True)

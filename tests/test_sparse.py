@@ -9,16 +9,14 @@ import pytest
 import torch
 
 from conftest import ROOT, minilm_dir, run_module, run_script
-from retrieval_kit.losses import Flops
-from retrieval_kit.search import sparse_topk
+from retrieval_kit.heads import sparse
+from retrieval_kit.heads.sparse import Flops
 
 
 @pytest.fixture(scope="module")
 def mlm(tiny_model_dir):
-    from retrieval_kit.models import load_sparse
-
     torch.manual_seed(0)
-    return load_sparse(tiny_model_dir).eval()
+    return sparse.load(tiny_model_dir).eval()
 
 
 def direct_splade(model, batch):
@@ -28,7 +26,7 @@ def direct_splade(model, batch):
 
 
 def test_sparse_vectors_in_length_chunks_equal_the_whole_logits_and_keep_none_for_the_backward(mlm, tokenizer):
-    from retrieval_kit.models import sparse_vectors
+    from retrieval_kit.heads.sparse import sparse_vectors
 
     batch = tokenizer(["how do i list files in a directory", "zstd"], padding=True, return_tensors="pt")
     ref = direct_splade(mlm, batch)
@@ -67,7 +65,7 @@ def test_sparse_topk_equals_a_dense_search():
     gen = torch.Generator().manual_seed(0)
     p = torch.relu(torch.randn(40, 300, generator=gen) - 1.5)  # mostly zeros
     q = torch.relu(torch.randn(7, 300, generator=gen) - 1.0)
-    s, i = sparse_topk(q.to_sparse(), p.to_sparse(), 5, query_chunk=3)
+    s, i = sparse.search(q, sparse.stack([r.to_sparse() for r in p]), 5, query_chunk=3)
     ref = (q @ p.T).topk(5, dim=1)
     assert torch.allclose(s, ref.values, atol=1e-5) and (i == ref.indices).all()
 
@@ -84,22 +82,19 @@ def assert_sparse_encoder_reads(final, model_dir):
     from sentence_transformers import SparseEncoder
 
     from retrieval_kit.encode import encode_texts
-    from retrieval_kit.evaluate import biencoder_settings
-    from retrieval_kit.models import load_encoder, load_sparse, load_tokenizer, prepare_embedder
+    from retrieval_kit.evaluate import load_biencoder
 
     settings = json.loads(open(os.path.join(final, "retrieval_kit.json")).read())
     assert settings["head"] == "sparse"
     texts = ["how do i list files", "ls lists the contents of a directory, one file a line " * 4]
-    s = biencoder_settings(final, {})
-    tok, enc = load_tokenizer(final), load_encoder(final).eval()  # (a SparseEncoder dir: its vocabulary head)
-    prepare_embedder(tok, enc, s)
+    enc, tok, s, head = load_biencoder(final)  # (a SparseEncoder dir: its vocabulary head)
     st = SparseEncoder(final, device="cpu")
     for side, prefix, length, encode in (("query", s["query_prefix"], 16, st.encode_query),
                                          ("document", s["passage_prefix"], 48, st.encode_document)):
-        kit = encode_texts(enc, tok, texts, length, prefix, pooling="sparse").to_dense()
+        kit = encode_texts(enc, tok, texts, length, prefix, head=head).to_dense()
         theirs = encode(texts, convert_to_tensor=True).to_dense()
         assert (kit - theirs).abs().max() < 1e-5, side
-    base = encode_texts(load_sparse(model_dir).eval(), tok, texts, 48, pooling="sparse").to_dense()
+    base = encode_texts(sparse.Splade(sparse.load(model_dir).eval()), tok, texts, 48, head=sparse).to_dense()
     assert (base - kit).abs().max() > 1e-3  # the run moved the weights
     return kit
 
@@ -118,21 +113,18 @@ def test_minilm_sparse_export_encodes_alike_in_sparse_encoder(small_train_file, 
 def test_evaluate_scores_a_sparse_export_as_a_dense_dot_product_would(tiny_model_dir, small_train_file, small_beir,
                                                                      tmp_path):
     from retrieval_kit.encode import encode_texts
-    from retrieval_kit.evaluate import biencoder_settings, load_beir
+    from retrieval_kit.evaluate import load_beir, load_biencoder
     from retrieval_kit.metrics import retrieval_metrics
-    from retrieval_kit.models import load_encoder, load_tokenizer, prepare_embedder
 
     final = run_sparse(tiny_model_dir, small_train_file, tmp_path / "run")
     out = tmp_path / "metrics.json"
     run_module(["-m", "retrieval_kit.evaluate", "--model", final, "--beir", small_beir, "--k", 5, "--output", out])
     got = json.loads(out.read_text())
     ids, texts, queries, qrels = load_beir(small_beir)
-    s = biencoder_settings(final, {})
-    tok, enc = load_tokenizer(final), load_encoder(final).eval()
-    prepare_embedder(tok, enc, s)
+    enc, tok, s, head = load_biencoder(final)
     qids = [q for q in queries if q in qrels]
-    d = encode_texts(enc, tok, texts, 48, pooling="sparse").to_dense()  # the dense reference: every dimension
-    q = encode_texts(enc, tok, [queries[x] for x in qids], 16, pooling="sparse").to_dense()
+    d = encode_texts(enc, tok, texts, 48, head=head).to_dense()  # the dense reference: every dimension
+    q = encode_texts(enc, tok, [queries[x] for x in qids], 16, head=head).to_dense()
     ref = q @ d.T
     run = {qid: {ids[j]: float(ref[i, j]) for j in ref[i].argsort(descending=True)[:5].tolist()}
            for i, qid in enumerate(qids)}
@@ -148,8 +140,7 @@ def test_a_decoder_sparse_export_says_sentence_transformers_would_read_it_otherw
     """A causal LM's SPLADE export: no SparseEncoder files (6.3 reads a causal LM's logits otherwise), said at
     export; the kit's own tools load it with its LM head and give the vectors training gave."""
     from retrieval_kit.encode import encode_texts
-    from retrieval_kit.evaluate import biencoder_settings
-    from retrieval_kit.models import load_encoder, load_tokenizer, prepare_embedder
+    from retrieval_kit.evaluate import load_biencoder
 
     out = run_script("train_biencoder.py", ["--model", tiny_decoder_dir, "--head", "sparse", "--train-file",
                                             small_train_file, "--val-file", "", "--batch-size", 2, "--max-steps", 1,
@@ -158,12 +149,10 @@ def test_a_decoder_sparse_export_says_sentence_transformers_would_read_it_otherw
     final = tmp_path / "run" / "final"
     assert "no SparseEncoder files for a decoder" in out.stdout + out.stderr
     assert not (final / "modules.json").exists()
-    s = biencoder_settings(str(final), {})
-    tok, enc = load_tokenizer(str(final)), load_encoder(str(final)).eval()
-    prepare_embedder(tok, enc, s)
-    assert hasattr(enc, "lm_head") and s["head"] == "sparse"
-    vec = encode_texts(enc, tok, ["how do i list files"], 16, s["query_prefix"], pooling="sparse")
-    assert vec.shape[1] == enc.get_output_embeddings().weight.shape[0] and vec._nnz() > 0
+    enc, tok, s, head = load_biencoder(str(final))
+    assert hasattr(enc.encoder, "lm_head") and s["head"] == "sparse" and head is sparse
+    vec = encode_texts(enc, tok, ["how do i list files"], 16, s["query_prefix"], head=head)
+    assert vec.shape[1] == enc.encoder.get_output_embeddings().weight.shape[0] and vec._nnz() > 0
 
 
 @pytest.mark.slow
@@ -172,8 +161,7 @@ def test_mine_with_a_sparse_export_on_two_ranks_takes_the_dot_product_top(tiny_m
     """mine over sparse vectors, corpus and queries split over 2 ranks: each query's negatives are the
     passages a dense dot product ranks first, its positives left out."""
     from retrieval_kit.encode import encode_texts
-    from retrieval_kit.evaluate import biencoder_settings
-    from retrieval_kit.models import load_encoder, load_tokenizer, prepare_embedder
+    from retrieval_kit.evaluate import load_biencoder
 
     final = run_sparse(tiny_model_dir, small_train_file, tmp_path / "run")
     src = tmp_path / "in.jsonl"
@@ -185,14 +173,12 @@ def test_mine_with_a_sparse_export_on_two_ranks_takes_the_dot_product_top(tiny_m
     records = [json.loads(line) for line in open(src)]
     corpus = [json.loads(line)["text"] for line in open(os.path.join(small_beir, "corpus.jsonl"))]
     pool = list(dict.fromkeys(corpus + [d["text"] for rec in records for d in rec["pos_doc"]]))
-    s = biencoder_settings(final, {})
-    tok, enc = load_tokenizer(final), load_encoder(final).eval()
-    prepare_embedder(tok, enc, s)
-    d = encode_texts(enc, tok, pool, 48, pooling="sparse").to_dense()
+    enc, tok, s, head = load_biencoder(final)
+    d = encode_texts(enc, tok, pool, 48, head=head).to_dense()
     assert len(rows) == 5
     for row in rows:
         pos = [x["text"] if isinstance(x, dict) else x for x in row["pos_doc"]]
-        q = encode_texts(enc, tok, [row["query"]], 16, pooling="sparse").to_dense()
+        q = encode_texts(enc, tok, [row["query"]], 16, head=head).to_dense()
         scores = (q @ d.T)[0]
         want = [pool[j] for j in scores.argsort(descending=True).tolist() if pool[j] not in pos][:4]
         assert row["neg_doc"] == want, (row["neg_doc"], want)

@@ -12,8 +12,11 @@ from transformers import AutoTokenizer
 from retrieval_kit.encode import encode_texts
 from retrieval_kit.evaluate import biencoder_settings
 from retrieval_kit.export import export_model
+from retrieval_kit.heads import single_vector
+from retrieval_kit.heads.single_vector import BiEncoder
 from retrieval_kit.models import load_encoder
-from retrieval_kit.st_format import load_settings, read_st_settings, resolve_biencoder_settings, SETTINGS_FILE
+from retrieval_kit.st_format import (load_settings, read_spec, read_st_settings, resolve_biencoder_settings,
+                                     SETTINGS_FILE)
 from tests.conftest import minilm_dir, read_jsonl, run_script
 
 QUERIES = ["how do i list files", "a manager for python packages " * 12]  # the second is past 24 tokens
@@ -36,10 +39,8 @@ def test_export_embeds_the_same_in_sentence_transformers(tiny_model_dir, tmp_pat
 
     prefixes = {"query_prefix": "query: ", "passage_prefix": "passage: "} if prompts else {}
     enc, tok, s, out = export_tiny(tiny_model_dir, tmp_path / "e", pooling=pooling, normalize=normalize, **prefixes)
-    kit_q = encode_texts(enc, tok, QUERIES, s["query_max_length"], s["query_prefix"], pooling=pooling,
-                         normalize=normalize)
-    kit_p = encode_texts(enc, tok, DOCS, s["passage_max_length"], s["passage_prefix"], pooling=pooling,
-                         normalize=normalize)
+    kit_q = encode_texts(BiEncoder(enc, pooling, normalize), tok, QUERIES, s["query_max_length"], s["query_prefix"])
+    kit_p = encode_texts(BiEncoder(enc, pooling, normalize), tok, DOCS, s["passage_max_length"], s["passage_prefix"])
     st = SentenceTransformer(out, device="cpu")
     st_q = torch.as_tensor(st.encode_query(QUERIES, convert_to_tensor=True))
     st_p = torch.as_tensor(st.encode_document(DOCS, convert_to_tensor=True))
@@ -97,11 +98,11 @@ def test_training_reads_a_sentence_transformers_dir_and_flags_win(st_dir, small_
 def test_evaluation_reads_the_same_settings(st_dir):
     flags = dict.fromkeys(("pooling", "normalize", "query_prefix", "passage_prefix", "query_max_length",
                            "passage_max_length"))
-    assert biencoder_settings(st_dir, flags) == {"pooling": "cls", "normalize": True, "query_prefix": "query: ",
-                                                 "passage_prefix": "passage: ", "query_max_length": 40,
-                                                 "passage_max_length": 40, "include_prompt": True,
-                                                 "head": "single-vector"}
-    assert biencoder_settings(st_dir, {**flags, "pooling": "avg"})["pooling"] == "avg"
+    assert biencoder_settings(read_spec(st_dir), flags) == {
+        "pooling": "cls", "normalize": True, "query_prefix": "query: ", "passage_prefix": "passage: ",
+        "query_max_length": 40, "passage_max_length": 40, "include_prompt": True, "head": "single-vector",
+        "matryoshka_dims": []}
+    assert biencoder_settings(read_spec(st_dir), {**flags, "pooling": "avg"})["pooling"] == "avg"
 
 
 def test_a_module_the_kit_does_not_carry_is_refused_by_name(tiny_model_dir, tmp_path):
@@ -113,7 +114,7 @@ def test_a_module_the_kit_does_not_carry_is_refused_by_name(tiny_model_dir, tmp_
     SentenceTransformer(modules=[models.Transformer(tiny_model_dir), models.Pooling(32, "mean"), models.LayerNorm(32)],
                         device="cpu").save(path)
     with pytest.raises(SystemExit, match=r"modules.json: module '2' is a LayerNorm; the kit does not carry it"):
-        resolve_biencoder_settings(path, {})
+        resolve_biencoder_settings(read_spec(path), {})
 
 
 def dense_dir(tiny_model_dir, path):
@@ -130,19 +131,18 @@ def test_a_dense_module_is_carried_and_embeds_as_sentence_transformers(tiny_mode
     from sentence_transformers import SentenceTransformer
 
     from retrieval_kit.encode import encode_texts
-    from retrieval_kit.models import BiEncoder, embedding_size, load_encoder, load_tokenizer
+    from retrieval_kit.models import load_tokenizer
 
     path = dense_dir(tiny_model_dir, tmp_path / "dense")
-    settings, _ = resolve_biencoder_settings(path, {})
-    enc, tok = load_encoder(path).eval(), load_tokenizer(path)
-    assert embedding_size(enc) == 16 and "st_dense.linear.weight" in enc.state_dict()  # trained and checkpointed
+    spec = read_spec(path)
+    settings, _ = resolve_biencoder_settings(spec, {})
+    enc, tok = single_vector.load(path, spec=spec).eval(), load_tokenizer(path)
+    assert single_vector.embedding_size(enc) == 16 and "st_dense.linear.weight" in enc.state_dict()  # trained, saved
     texts = ["a tool for the command line", "python", "the server and its client library documentation"]
     want = torch.tensor(SentenceTransformer(path, device="cpu").encode(texts, prompt_name="query"))
-    got = encode_texts(enc, tok, texts, 64, settings["query_prefix"], 8, settings["pooling"], settings["normalize"])
+    got = encode_texts(BiEncoder(enc, settings["pooling"], settings["normalize"]), tok, texts, 64,
+                       settings["query_prefix"], 8)
     assert got.shape == (3, 16) and (got - want).abs().max() < 1e-5
-    via_biencoder = encode_texts(BiEncoder(enc, settings["pooling"], settings["normalize"]), tok, texts, 64,
-                                 settings["query_prefix"], 8)
-    assert (via_biencoder - want).abs().max() < 1e-5
 
 
 @pytest.mark.slow
@@ -152,7 +152,7 @@ def test_a_run_on_a_dense_dir_trains_it_and_exports_it_as_sentence_transformers_
     from sentence_transformers import SentenceTransformer
 
     from retrieval_kit.encode import encode_texts
-    from retrieval_kit.models import load_encoder, load_tokenizer
+    from retrieval_kit.evaluate import load_biencoder
 
     src = dense_dir(tiny_model_dir, tmp_path / "dense")
     out = tmp_path / "run"
@@ -166,10 +166,9 @@ def test_a_run_on_a_dense_dir_trains_it_and_exports_it_as_sentence_transformers_
     before = load_file(os.path.join(src, "2_Dense", "model.safetensors"))["linear.weight"]
     assert not torch.equal(trained, before)  # trained with the encoder
     assert not any(k.startswith("st_dense") for k in load_file(os.path.join(final, "model.safetensors")))
-    settings, _ = resolve_biencoder_settings(final, {})
+    model, tok, settings, _ = load_biencoder(final)
     texts = ["a tool for the command line", "python"]
-    got = encode_texts(load_encoder(final).eval(), load_tokenizer(final), texts, 32, settings["query_prefix"], 8,
-                       settings["pooling"], settings["normalize"])
+    got = encode_texts(model, tok, texts, 32, settings["query_prefix"], 8)
     want = torch.tensor(SentenceTransformer(final, device="cpu").encode(texts, prompt_name="query"))
     assert got.shape == (2, 16) and (got - want).abs().max() < 1e-5
 
@@ -181,20 +180,20 @@ def test_include_prompt_false_pools_without_the_prompt_as_sentence_transformers(
     from sentence_transformers import SentenceTransformer, models
 
     from retrieval_kit.encode import encode_texts
-    from retrieval_kit.models import load_encoder, load_tokenizer
+    from retrieval_kit.models import load_tokenizer
 
     body = models.Transformer(tiny_model_dir)
     path = str(tmp_path / "noprompt")
     SentenceTransformer(modules=[body, models.Pooling(32, pooling, include_prompt=False)], device="cpu",
                         prompts={"query": "query: ", "document": "passage: "}).save(path)
-    settings, _ = resolve_biencoder_settings(path, {})
+    settings, _ = resolve_biencoder_settings(read_spec(path), {})
     assert settings["include_prompt"] is False and settings["query_prefix"] == "query: "
     st = SentenceTransformer(path, device="cpu")
     texts = ["a tool for the command line", "python", "the server and its client library documentation"]
     enc, tok = load_encoder(path).eval(), load_tokenizer(path)
     for name, prefix in (("query", settings["query_prefix"]), ("document", settings["passage_prefix"])):
         want = torch.tensor(st.encode(texts, prompt_name=name))
-        got = encode_texts(enc, tok, texts, 64, prefix, 8, settings["pooling"], settings["normalize"])
+        got = encode_texts(BiEncoder(enc, settings["pooling"], settings["normalize"]), tok, texts, 64, prefix, 8)
         assert (got - want).abs().max() < 1e-5, (name, (got - want).abs().max())
     # left padding (decoders): the tokens left out are sentence-transformers' own choice of them
     from sentence_transformers.sentence_transformer.modules.pooling import Pooling
@@ -206,7 +205,7 @@ def test_include_prompt_false_pools_without_the_prompt_as_sentence_transformers(
     assert n == 3  # [CLS] query : (the trailing [SEP] not counted)
     assert torch.equal(batch["pool_mask"], Pooling._exclude_prompt_from_mask(batch["attention_mask"], n))
     tok.padding_side = "right"
-    pooled_too = encode_texts(enc, tok, texts, 64, "query: ", 8, settings["pooling"], settings["normalize"])
+    pooled_too = encode_texts(BiEncoder(enc, settings["pooling"], settings["normalize"]), tok, texts, 64, "query: ", 8)
     assert (pooled_too - torch.tensor(st.encode(texts, prompt_name="query"))).abs().max() > 1e-3
 
 
@@ -216,7 +215,7 @@ def test_a_run_on_an_include_prompt_false_dir_exports_it_and_embeds_as_sentence_
     from sentence_transformers import SentenceTransformer, models
 
     from retrieval_kit.encode import encode_texts
-    from retrieval_kit.models import load_encoder, load_tokenizer
+    from retrieval_kit.evaluate import load_biencoder
 
     src = str(tmp_path / "noprompt")
     SentenceTransformer(modules=[models.Transformer(tiny_model_dir), models.Pooling(32, "mean", include_prompt=False)],
@@ -226,10 +225,9 @@ def test_a_run_on_an_include_prompt_false_dir_exports_it_and_embeds_as_sentence_
                                       "--max-steps", 2, "--batch-size", 4, "--passage-max-length", 32,
                                       "--query-max-length", 32, "--lr", 1e-3, "--output-dir", out])
     final = str(out / "final")
-    settings, _ = resolve_biencoder_settings(final, {})
+    model, tok, settings, _ = load_biencoder(final)
     assert settings["include_prompt"] is False and read_st_settings(final)["include_prompt"] is False
     st = SentenceTransformer(final, device="cpu")
     texts = ["a tool for the command line", "python"]
-    got = encode_texts(load_encoder(final).eval(), load_tokenizer(final), texts, 32, settings["query_prefix"], 8,
-                       settings["pooling"], settings["normalize"])
+    got = encode_texts(model, tok, texts, 32, settings["query_prefix"], 8)
     assert (got - torch.tensor(st.encode(texts, prompt_name="query"))).abs().max() < 1e-5

@@ -13,7 +13,8 @@ from retrieval_kit.encode import encode_texts
 from retrieval_kit import ckpt
 from retrieval_kit.export import export_model
 from retrieval_kit.st_format import load_settings
-from retrieval_kit.models import BiEncoder, load_encoder
+from retrieval_kit.heads.single_vector import BiEncoder
+from retrieval_kit.models import load_encoder
 from tests.conftest import check_grad_cache_run, minilm_dir, python_run, read_jsonl, ROOT, run_script
 
 
@@ -122,13 +123,13 @@ def test_exported_model_reloads_to_the_same_embeddings(tiny_model_dir, tmp_path)
     opt.step()  # weights now differ from the random init
     out = export_model(str(tmp_path / "final"), enc, tok, {"pooling": "avg", "normalize": True})
     texts = ["a query about disks", "package manager for python", "x"]
-    before = encode_texts(enc, tok, texts, 32)
+    before = encode_texts(BiEncoder(enc), tok, texts, 32)
     settings = load_settings(out)
     reloaded = AutoModel.from_pretrained(out)
-    after = encode_texts(reloaded, AutoTokenizer.from_pretrained(out), texts, 32,
-                         pooling=settings["pooling"], normalize=settings["normalize"])
+    after = encode_texts(BiEncoder(reloaded, settings["pooling"], settings["normalize"]),
+                         AutoTokenizer.from_pretrained(out), texts, 32)
     assert torch.allclose(before, after, atol=1e-6)
-    assert not torch.allclose(before, encode_texts(load_encoder(tiny_model_dir), tok, texts, 32), atol=1e-4)
+    assert not torch.allclose(before, encode_texts(BiEncoder(load_encoder(tiny_model_dir)), tok, texts, 32), atol=1e-4)
 
 
 @pytest.mark.slow

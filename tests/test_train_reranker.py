@@ -12,7 +12,7 @@ from retrieval_kit.records import read_records
 from retrieval_kit.encode import rerank_groups
 from retrieval_kit.export import load_exported_reranker
 from retrieval_kit.st_format import load_settings
-from retrieval_kit.models import load_reranker
+from retrieval_kit.heads.classifier import load as load_reranker
 from tests.conftest import check_grad_cache_run, minilm_dir, needs_cpu_bf16, read_jsonl, ROOT, run_script, stock_scores
 
 pytestmark = pytest.mark.slow  # every test here runs a script, a kill or a 2-rank launch
@@ -87,8 +87,8 @@ def test_real_minilm_reranker_learns_and_scores_the_same_in_stock_loaders(tmp_pa
     assert settings["rerank_max_length"] == 128 and settings["prompt_template"] == "pair" and settings["portable"]
     tuned = rerank_groups(model, tok, queries, groups, settings)
     torch.manual_seed(42)  # the script's seed: the same fresh head the run started from
-    from retrieval_kit.models import CrossEncoder
-    base = rerank_groups(CrossEncoder(load_reranker(minilm_dir())), tok, queries, groups, settings)
+    from retrieval_kit.heads.classifier import Classifier
+    base = rerank_groups(Classifier(load_reranker(minilm_dir())), tok, queries, groups, settings)
 
     def summary(s):
         return (s[:, 0] - s[:, 1]).mean().item(), (s[:, 0] > s[:, 1]).float().mean().item()

@@ -1,0 +1,182 @@
+"""--head single-vector: one pooled vector per text (mean / CLS / last token, an optional
+sentence-transformers Dense, L2-normalized), scored by the inner product (the cosine when normalized).
+The default head, and what a plain sentence-transformers dir (all-MiniLM-L6-v2) is. The interface:
+retrieval_kit/heads/__init__.py."""
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from ..chunking import Chunked, run_chunked
+from ..losses import contrastive_scores
+from ..models import POOLING_MODES, STDense, load_encoder, pool
+
+NAME = "single-vector"
+SETTINGS = {"matryoshka_dims": []}  # settings of its own beyond st_format.SETTING_KEYS (the trained prefixes)
+TEMPERATURE = 0.05  # scale 20, what all-MiniLM-L6-v2 was trained at
+FLAGS = {"pooling": None, "normalize": None, "matryoshka_dims": None, "matryoshka_weights": None,
+         "truncate_dims": None}  # (pooling, normalize: the dir's settings decide; evaluate's --truncate-dims)
+PREFIX = "st_dense."  # the Dense module's keys in the model's state dict
+
+
+# ----- the model ---------------------------------------------------------------------------------
+
+def load(path, dtype=torch.float32, *, spec=None, meta=False, dim=None, seed=0, **load_kw):
+    """The encoder (models.load_encoder) with the dir's sentence-transformers Dense after the pooling,
+    if its spec has one (st_format.read_st_dense), as `model.st_dense` with its weights."""
+    model = load_encoder(path, dtype, meta=meta, **load_kw)
+    dense = spec.dense if spec is not None else None
+    if dense is None:
+        return model
+    args = [dense[k] for k in ("in_features", "out_features", "bias", "activation_function")]
+    if meta:
+        with torch.device("meta"):
+            module = STDense(*args)
+    else:
+        module = STDense(*args)
+        module.load_state_dict(dense_weights(dense["path"]))
+    model.st_dense = module.to(dtype) if dtype is not None else module
+    return model
+
+
+def dense_weights(folder):
+    """A Dense module's weights from its folder (model.safetensors, else pytorch_model.bin)."""
+    weights = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(weights):
+        from safetensors.torch import load_file
+
+        return load_file(weights)
+    return torch.load(os.path.join(folder, "pytorch_model.bin"), weights_only=True, map_location="cpu")
+
+
+def lora_trained(model):
+    return []
+
+
+def embedding_size(model):
+    """The size of the embeddings: the Dense module's output, else the hidden size."""
+    dense = getattr(model, "st_dense", None)
+    return dense.linear.out_features if dense is not None else model.config.hidden_size
+
+
+def encode(model, batch, pooling="avg", normalize=True):
+    """Run the encoder on a tokenized batch and return (B, H) embeddings."""
+    extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra)
+    # pooled and normalized in fp32 whatever the compute dtype (bf16 under FSDP2's policy): embeddings
+    # rounded to bf16 would round the similarity logits too (issue 16)
+    hidden = out.last_hidden_state.float()
+    if "pool_mask" in batch:  # a prompt the pooling leaves out (collate.PooledWithout): as sentence-transformers
+        mask = batch["pool_mask"]
+        if pooling == "cls":  # the first token left in, as its Pooling takes it
+            reps = hidden[torch.arange(hidden.shape[0], device=hidden.device), mask.to(torch.int32).argmax(dim=1)]
+        else:
+            reps = pool(hidden, mask, pooling)
+    else:
+        reps = pool(hidden, batch["attention_mask"], pooling)
+    dense = getattr(model, "st_dense", None)
+    if dense is not None:  # a sentence-transformers Dense projection, between pooling and normalization
+        reps = dense(reps.to(dense.linear.weight.dtype)).float()
+    return F.normalize(reps, dim=-1) if normalize else reps
+
+
+class BiEncoder(torch.nn.Module):
+    """Encoder + pooling + normalization as one module, so queries and passages go through a single
+    forward call (one DDP forward per backward, which `--static-graph` requires):
+    `model(q=q_batch, p=p_batch)` -> {"q": (B, H), "p": (B * n, H)}, any names, in call order.
+    A batch is a tokenized dict (run whole) or a chunking.Chunked (run chunk by chunk, same result).
+
+    Save and export `.encoder`: its keys are the Hugging Face ones.
+    """
+
+    def __init__(self, encoder, pooling="avg", normalize=True):
+        super().__init__()
+        if pooling not in POOLING_MODES:
+            raise ValueError(f"unknown pooling {pooling!r}; choose one of {POOLING_MODES}")
+        self.encoder, self.pooling, self.normalize = encoder, pooling, normalize
+
+    def embed(self, batch):
+        """(rows, H) embeddings of a tokenized dict or a Chunked batch."""
+        def fn(b):
+            return encode(self.encoder, b, self.pooling, self.normalize)
+        return run_chunked(fn, batch) if isinstance(batch, Chunked) else fn(batch)
+
+    def forward(self, **batches):
+        return {name: self.embed(b) for name, b in batches.items()}
+
+
+def embedder(model, settings, multiple=None):
+    return BiEncoder(model, settings["pooling"], settings["normalize"])
+
+
+def prepare(tokenizer, model, settings):
+    return {}
+
+
+def sides(tokenizer, settings):
+    return {"q": None, "p": None}
+
+
+# ----- scores, corpus, search --------------------------------------------------------------------
+
+scores = contrastive_scores  # the inner product in fp32 ((B, P) in-batch, else (B, n))
+
+
+def pair_scores(q, p):
+    return (q.float() * p.float()).sum(-1)
+
+
+def store(reps, width=None, dtype=None):
+    return reps.float().cpu()
+
+
+def stack(rows):
+    return torch.stack(rows)
+
+
+def select(stored, index):
+    return stored[index]
+
+
+def as_dense(stored):
+    return stored
+
+
+def search(q, p, k):
+    from ..search import exact_topk
+
+    return exact_topk(q, p, k)
+
+
+def corpus_stats(q, p):
+    return {}
+
+
+def regularizer(flags, state, count_scale=1.0, max_steps=0):
+    return None
+
+
+# ----- export ------------------------------------------------------------------------------------
+
+def split_export(weights):
+    return {k[len(PREFIX):]: weights.pop(k) for k in list(weights) if k.startswith(PREFIX)}
+
+
+def write_export(stage, model, settings, head_weights, out_dir):
+    """SentenceTransformer's files (st_format.write_st_files), with the Dense module's weights in 2_Dense."""
+    from safetensors.torch import save_file
+
+    from ..st_format import write_st_files
+
+    dense = getattr(model, "st_dense", None)
+    warnings = write_st_files(stage, settings, model.config.hidden_size, dense.config() if dense is not None else None)
+    if dense is not None:
+        save_file(head_weights, os.path.join(stage, "2_Dense", "model.safetensors"))
+    for w in warnings:
+        print(f"warning: {out_dir}: {w}", flush=True)
+    return {"files": True, "warnings": warnings}
+
+
+def memory_note(model):
+    return None

@@ -1,0 +1,245 @@
+"""--head sparse: learned sparse retrieval (SPLADE). A text is log(1 + relu(vocabulary logits)) of its
+tokens, max-pooled: a vocabulary-sized vector scored by the dot product, FLOPS-regularized, as
+sentence-transformers' SparseEncoder (SpladePooling max / relu) does. The model is the backbone with its
+MLM head (an encoder) or LM head (a decoder). The interface: heads/__init__.py."""
+
+import os
+
+import torch
+
+from ..chunking import Chunked, run_chunked
+from ..losses import contrastive_scores
+from ..models import decoder_dir, load_auto, quiet_loading
+
+NAME = "sparse"
+SETTINGS = {}  # settings of its own beyond st_format.SETTING_KEYS
+TEMPERATURE = 1.0  # the dot product of unnormalized weights, scale 1, as SpladeLoss
+FLAGS = {"flops_weights": [5e-5, 3e-5], "flops_warmup_steps": None}  # (sentence-transformers' SpladeLoss example)
+SPARSE_BLOCK = 1 << 24  # elements of one chunk of vocabulary logits (64 MiB in fp32)
+
+
+# ----- the model ---------------------------------------------------------------------------------
+
+def load(path, dtype=torch.float32, *, spec=None, meta=False, dim=None, seed=0, **load_kw):
+    """The model with its vocabulary head - AutoModelForMaskedLM for an encoder, AutoModelForCausalLM for
+    a decoder. An encoder dir without a trained MLM head (the bundled all-MiniLM-L6-v2) gets a fresh
+    transform over its tied word embeddings, said in one line."""
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    cls = AutoModelForCausalLM if decoder_dir(path) else AutoModelForMaskedLM
+    with quiet_loading():
+        model = load_auto(cls, path, dtype, meta=meta, **load_kw)
+    fresh = fresh_vocab_head(model, path)
+    if fresh and os.environ.get("RANK", "0") == "0":
+        print(f"--head sparse: {path} has no trained vocabulary head: {', '.join(fresh)} start fresh (a transform "
+              "over the tied word embeddings), trained with the model", flush=True)
+    return model
+
+
+def vocab_head(model):
+    """The module that maps hidden states to vocabulary logits: BERT's `cls`, else `lm_head`."""
+    head = getattr(model, "cls", None) or getattr(model, "lm_head", None)
+    if head is None:
+        raise SystemExit(f"--head sparse: {type(model).__name__} has no vocabulary head the kit knows (cls or lm_head)")
+    return head
+
+
+def fresh_vocab_head(model, path):
+    """The vocabulary head's parameter names that `path`'s weight files do not hold (tied ones aside)."""
+    import glob
+
+    from safetensors import safe_open
+
+    stored = set()
+    for f in glob.glob(os.path.join(path, "*.safetensors")):
+        with safe_open(f, "pt") as fh:
+            stored.update(fh.keys())
+    if not stored:  # (.bin weights: not read here)
+        return []
+    tied = {id(p) for p in model.get_input_embeddings().parameters()}
+    names = [n for n, p in vocab_head(model).named_parameters() if id(p) not in tied]
+    prefix = next(k for k, m in model.named_modules() if m is vocab_head(model))
+    return [f"{prefix}.{n}" for n in names if f"{prefix}.{n}" not in stored]
+
+
+def embedding_size(model):
+    """The vocabulary's size: a vector's dimensions."""
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def lora_trained(model):
+    """A vocabulary head tied to the embeddings trains its own parameters only."""
+    tied = {id(p) for p in model.get_input_embeddings().parameters()}
+    return [p for p in vocab_head(model).parameters() if id(p) not in tied]
+
+
+def _splade_chunk(head, hidden, mask):
+    logits = head(hidden).float()  # (B, chunk, V)
+    return (torch.log1p(torch.relu(logits)) * mask.unsqueeze(-1).to(logits.dtype)).amax(1)
+
+
+def sparse_vectors(model, batch, budget=SPARSE_BLOCK):
+    """log(1 + relu(vocabulary logits)) of each real token, max over the text's tokens: (B, V) fp32, as
+    sentence-transformers' SpladePooling (max, relu). The logits are made in length chunks of at most
+    `budget` elements, each chunk recomputed in the backward under autograd: (B, L, V) never exists at once."""
+    from torch.utils.checkpoint import checkpoint
+
+    extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
+    hidden = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              **extra).last_hidden_state
+    head, mask = vocab_head(model), batch["attention_mask"]
+    b, length = mask.shape
+    step = max(1, budget // max(1, b * model.get_output_embeddings().weight.shape[0]))
+    grad = torch.is_grad_enabled()
+    out = None
+    for s in range(0, length, step):
+        h, m = hidden[:, s:s + step], mask[:, s:s + step]
+        w = checkpoint(_splade_chunk, head, h, m, use_reentrant=False) if grad else _splade_chunk(head, h, m)
+        out = w if out is None else torch.maximum(out, w)
+    return out
+
+
+class Splade(torch.nn.Module):
+    """The model the step runs: `model(q=q_batch, p=p_batch)` -> {"q": (B, V), "p": (B * n, V)} vocabulary-
+    sized vectors (sparse_vectors); a batch is a tokenized dict or a chunking.Chunked. Save `.encoder`
+    (the model with its vocabulary head)."""
+
+    def __init__(self, encoder):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, **batches):
+        return {name: run_chunked(lambda b: sparse_vectors(self.encoder, b), x) if isinstance(x, Chunked)
+                else sparse_vectors(self.encoder, x) for name, x in batches.items()}
+
+
+def embedder(model, settings, multiple=None):
+    return Splade(model)
+
+
+def prepare(tokenizer, model, settings):
+    return {}
+
+
+def sides(tokenizer, settings):
+    return {"q": None, "p": None}
+
+
+# ----- scores, corpus, search --------------------------------------------------------------------
+
+scores = contrastive_scores  # the inner product in fp32 ((B, P) in-batch, else (B, n))
+
+
+def pair_scores(q, p):
+    return (q.float() * p.float()).sum(-1)
+
+
+def store(reps, width=None, dtype=None):
+    """Each vector kept as its non-zeros (a sparse (V,) row)."""
+    return [r.to_sparse() for r in reps.float().cpu()]
+
+
+def stack(rows):
+    """(N, V) sparse COO tensor of N sparse (V,) vectors, in order: never a dense N x V matrix."""
+    idx = [r.coalesce().indices()[0] for r in rows]
+    vals = [r.coalesce().values() for r in rows]
+    row_of = torch.cat([torch.full((len(i),), n, dtype=torch.long) for n, i in enumerate(idx)])
+    return torch.sparse_coo_tensor(torch.stack([row_of, torch.cat(idx)]), torch.cat(vals),
+                                   (len(rows), rows[0].shape[0]), check_invariants=False).coalesce()
+
+
+def select(stored, index):
+    return stored.index_select(0, index)
+
+
+def as_dense(stored):
+    return stored.to_dense()
+
+
+def search(q, p, k, query_chunk=64):
+    """Exact top-k of dense (Q, V) queries against a sparse (P, V) corpus (an inverted index: each
+    passage's non-zero vocabulary entries), by sparse x dense products of query_chunk queries at a
+    time; never a dense corpus x vocabulary matrix."""
+    k = min(k, p.shape[0])
+    index = p.coalesce()  # (COO: CSR support is beta in torch 2.13 and warns)
+    scores_, idx = [], []
+    for s in range(0, q.shape[0], query_chunk):
+        block = torch.sparse.mm(index, q[s:s + query_chunk].float().T).T  # (q, P)
+        top = block.topk(k, dim=1)
+        scores_.append(top.values)
+        idx.append(top.indices)
+    return torch.cat(scores_), torch.cat(idx)
+
+
+def corpus_stats(q, p_own):
+    """The mean active (non-zero) dimensions of the queries and of the documents, and the inverted index's
+    size - a 4-byte id and a 4-byte weight per non-zero - over every rank's shard; all-zero vectors
+    (which match nothing) are counted and said."""
+    from ..dist import all_reduce_sum, print0
+
+    nnz, rows = float(p_own._nnz()) if p_own.shape[0] else 0.0, float(p_own.shape[0])
+    empty_d = float(p_own.shape[0] - p_own.coalesce().indices()[0].unique().numel()) if p_own.shape[0] else 0.0
+    nnz, rows, empty_d = all_reduce_sum([nnz, rows, empty_d])
+    empty_q = int(((q != 0).sum(1) == 0).sum())
+    if empty_q or empty_d:
+        print0(f"warning: sparse: {empty_q} of {q.shape[0]} queries and {int(empty_d)} of {int(rows)} documents have "
+               "no active dimension (all-zero vectors score 0 against everything)")
+    return {"active_dims_q": float((q != 0).sum(1).float().mean()), "active_dims_d": nnz / max(rows, 1.0),
+            "index_mb": nnz * 8 / 2 ** 20}
+
+
+class Flops:
+    """The FLOPS regularizer (Paria et al. 2020; SPLADE, Formal et al. 2021): the sum over the vocabulary
+    of the squared mean weight of each dimension over the batch, for queries and documents apart, weighted
+    by `weights` (query, document) that rise quadratically from 0 over the first `warmup` optimizer steps
+    (sentence-transformers' SpladeRegularizerWeightSchedulerCallback; `state`: the loop state, read at each
+    call). `count_scale`: 1 / (ranks x micro-batches), so the logged totals are the step's means."""
+
+    def __init__(self, weights, warmup, state, count_scale=1.0):
+        self.weights, self.warmup, self.state, self.count_scale = weights, warmup, state, count_scale
+
+    def __call__(self, q, p):
+        """(weighted regularizer, {name: 0-d tensor}) of the batch's (gathered) vectors."""
+        ramp = min(1.0, self.state.step / self.warmup) ** 2 if self.warmup else 1.0
+        fq, fd = (q.float().mean(0) ** 2).sum(), (p.float().mean(0) ** 2).sum()
+        counts = {"flops_q": fq.detach(), "flops_d": fd.detach(), "flops_weight_ramp": torch.tensor(ramp),
+                  "active_dims_q": (q.detach() != 0).sum(1).float().mean(),
+                  "active_dims_d": (p.detach() != 0).sum(1).float().mean()}
+        value = ramp * (self.weights[0] * fq + self.weights[1] * fd)
+        return value, {k: v.to(q.device) * self.count_scale for k, v in counts.items()}
+
+
+def regularizer(flags, state, count_scale=1.0, max_steps=0):
+    """Flops with the flags' weights (--flops-weights), warmed up over --flops-warmup-steps (default a
+    third of `max_steps`)."""
+    warmup = max_steps // 3 if flags.get("flops_warmup_steps") is None else flags["flops_warmup_steps"]
+    return Flops(flags.get("flops_weights") or FLAGS["flops_weights"], warmup, state, count_scale)
+
+
+# ----- export ------------------------------------------------------------------------------------
+
+def split_export(weights):
+    return {}
+
+
+def write_export(stage, model, settings, head_weights, out_dir):
+    """SparseEncoder's files (st_format.write_sparse_files) for an encoder. Not for a decoder:
+    sentence-transformers' SparseEncoder 6.3 reads a causal LM's logits otherwise (when tried, all zeros
+    for a text and 3.4 off for another, on SmolLM2); the kit loads such a dir with its LM head."""
+    from ..models import is_decoder_only
+    from ..st_format import write_sparse_files
+
+    if is_decoder_only(model.config):
+        why = ("sentence-transformers' SparseEncoder reads a causal LM's logits otherwise (it scored a decoder's "
+               "SPLADE vectors wrong when tried); the kit's tools load this dir")
+        print(f"warning: {out_dir}: no SparseEncoder files for a decoder: {why}", flush=True)
+        return {"files": False, "warnings": [why]}
+    write_sparse_files(stage, settings)
+    return {"files": True, "warnings": []}
+
+
+def memory_note(model):
+    vocab = model.get_output_embeddings().weight.shape[0]
+    return (f"sparse head: vocabulary logits ({vocab:,} a token) made in length chunks of at most {SPARSE_BLOCK:,} "
+            f"numbers ({SPARSE_BLOCK * 4 / 2 ** 20:.0f} MiB in fp32), each recomputed in the backward; the "
+            f"vectors: (ranks x (queries + passages)) x {vocab:,} fp32 numbers a step, gathered")
