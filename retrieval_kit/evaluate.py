@@ -313,10 +313,9 @@ def main(argv=None):
                          stats)
     run = runs.pop(None)
     results = {"biencoder": retrieval_metrics(run, beir[3])}
-    if stats and ctx.is_main:  # --head sparse
-        print(f"sparse: {stats['active_dims_q']:.1f} active dimensions a query, {stats['active_dims_d']:.1f} a "
-              f"document; inverted index {stats['index_mb']:.1f} MB (a 4-byte id and weight per non-zero)")
-        results["sparse"] = stats
+    if stats and ctx.is_main:  # what the head says of the corpus (sparse: active dimensions, inverted index MB)
+        print(f"{head.NAME}: " + ", ".join(f"{k} {v:.1f}" for k, v in stats.items()))
+        results[head.NAME] = stats
     results.update({f"biencoder@dim{d}": retrieval_metrics(r, beir[3]) for d, r in runs.items()})
     if args.reranker:
         rr, rr_tok, rr_settings = load_exported_reranker(args.reranker, torch.float32, args.trust_remote_code)
@@ -338,7 +337,7 @@ def main(argv=None):
         keys = list(results["biencoder"])
         print(f"{'stage':28}" + "".join(f"{k:>11}" for k in keys))
         for stage, m in results.items():
-            if stage != "sparse":
+            if stage != head.NAME:
                 print(f"{stage:28}" + "".join(f"{m[k]:11.4f}" for k in keys))
         if args.output:
             with open(args.output, "w") as f:

@@ -201,7 +201,7 @@ def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False, 
 
 
 def _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card, seq_cls):
-    settings = {"head": "classifier", **settings}  # (the default head, as train_reranker.py's)
+    settings = {"head": heads.CLASSIFIER, **settings}  # (the default head, as train_reranker.py's)
     template, max_length = settings["prompt_template"], settings["rerank_max_length"]
     head = heads.get(settings["head"])
     reasons = head.kit_only_reasons(settings["pooling"], settings.get("bidirectional", False))
@@ -264,7 +264,7 @@ def load_exported_reranker(model_dir, dtype=torch.float32, trust_remote_code=Fal
                                              settings.get("kind") else f"not an export of train_reranker.py (no "
                                              f"{SETTINGS_FILE} saying how it scores pairs)") +
                          ": pass the dir train_reranker.py exported")
-    head = heads.get(settings.get("head", "classifier"))
+    head = heads.get(settings.get("head", heads.CLASSIFIER))
     tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     if settings.get("padding_side"):
         tokenizer.padding_side = settings["padding_side"]

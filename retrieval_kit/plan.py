@@ -74,7 +74,7 @@ def main(argv=None):
 
     ap = cli.KitParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=flags.model_path, help="model dir (or a dir holding only its config.json)")
-    ap.add_argument("--head", choices=tuple(heads.MODULES), default="single-vector",
+    ap.add_argument("--head", choices=tuple(heads.MODULES), default=heads.SINGLE_VECTOR,
                     help="what is trained, as the scripts' --head: the encoder (single-vector), the encoder with a "
                          "multi-vector token projection, the model with its vocabulary head (sparse), a one-logit "
                          "classifier, or a causal LM scored by its LM head (lm) (default single-vector)")

@@ -23,11 +23,11 @@ import os
 import string
 from dataclasses import dataclass, field
 
-from .heads import MODULES  # the kinds' names (the registry alone: no head module is imported)
+from .heads import CLASSIFIER, MODULES, MULTI_VECTOR, SINGLE_VECTOR, SPARSE  # the kinds' names (the registry alone)
 
 SETTINGS_FILE = "retrieval_kit.json"  # the kit's own settings, beside an exported model
 KIT_DEFAULTS = {"pooling": "avg", "normalize": True, "query_prefix": "", "passage_prefix": "",
-                "query_max_length": 32, "passage_max_length": 128, "include_prompt": True, "head": "single-vector"}
+                "query_max_length": 32, "passage_max_length": 128, "include_prompt": True, "head": SINGLE_VECTOR}
 SETTING_KEYS = tuple(KIT_DEFAULTS)
 # sentence-transformers pooling modes -> the kit's
 ST_POOLING = {"mean": "avg", "cls": "cls", "lasttoken": "last"}
@@ -116,7 +116,7 @@ def read_st_settings(model_dir):
         return {}
     out = {"normalize": False}
     if read_sparse(model_dir):  # a SparseEncoder (SPLADE): vocabulary-sized vectors, dot product
-        out.update(head="sparse")
+        out.update(head=SPARSE)
     for m in modules:
         kind = m.get("type", "").rsplit(".", 1)[-1]
         if kind == "SpladePooling":
@@ -287,7 +287,7 @@ def read_multi_vector(model_dir):
     sbert_path = os.path.join(model_dir, "sentence_bert_config.json")
     sbert = _json(sbert_path) if os.path.isfile(sbert_path) else {}
     prompts = {}
-    out = {"head": "multi-vector", "normalize": True}
+    out = {"head": MULTI_VECTOR, "normalize": True}
     markers = []
     if legacy is not None:  # PyLate / Stanford: the markers go before the prompts, kept whole as tokens
         st_config = os.path.join(model_dir, "config_sentence_transformers.json")
@@ -555,9 +555,9 @@ def read_spec(model_dir):
     if kit.get("head"):
         head = kit["head"]
     elif kit.get("kind") == "reranker":
-        head = "classifier"
+        head = CLASSIFIER
     else:
-        head = "multi-vector" if multi else "sparse" if sparse else "single-vector" if (
+        head = MULTI_VECTOR if multi else SPARSE if sparse else SINGLE_VECTOR if (
             st or kit.get("kind") == "biencoder") else None
     return DirSpec(model_dir, head, kit, st, dense, multi, list(multi["markers"]) if multi else [], sparse)
 

@@ -1,8 +1,11 @@
 """The house rules the layout promises (README, Layout), checked on the source itself: the library
 takes values (only cli.py and the `main()` of the `python -m` tools read an argparse Namespace), no
 test or bench imports a training script, no import cycle among the kit's modules (imports inside
-functions counted), no private name imported across modules, one set of rank helpers (dist), and
-each script's main() short enough to read top to bottom."""
+functions counted), no private name imported across modules, one set of rank helpers (dist), each
+script's main() short enough to read top to bottom; the layering (models and heads never import export,
+models never st_format, losses never dist, encode never export), and the kind of model chosen once:
+outside heads/ and cli.py no code compares against a kind's name or dispatches on a tensor's shape or
+sparsity."""
 
 import ast
 import os
@@ -12,7 +15,9 @@ import pytest
 from tests.conftest import ROOT
 
 KIT = os.path.join(ROOT, "retrieval_kit")
-MODULES = sorted(f[:-3] for f in os.listdir(KIT) if f.endswith(".py"))
+HEADS = sorted(f"heads/{f[:-3]}" for f in os.listdir(os.path.join(KIT, "heads")) if f.endswith(".py")
+               and f != "__init__.py")
+MODULES = sorted(f[:-3] for f in os.listdir(KIT) if f.endswith(".py")) + ["heads"] + HEADS  # heads: its __init__
 
 
 def tree(path):
@@ -20,21 +25,35 @@ def tree(path):
         return ast.parse(f.read(), path)
 
 
+def path_of(module):
+    return os.path.join(KIT, "heads", "__init__.py") if module == "heads" else os.path.join(KIT, module + ".py")
+
+
 def kit_imports(module):
-    """(imported kit module, imported names) for every import in `module`, at any depth."""
+    """(imported kit module, imported names) for every import in `module`, at any depth; a module of
+    heads/ is named "heads/x", the package itself "heads"."""
+    package = "heads" if module.startswith("heads") else ""  # what `from . import` names, from this module
+
+    def name(dotted):  # "heads.sparse" -> "heads/sparse"; "models.X" -> "models"
+        parts = dotted.split(".")
+        return f"heads/{parts[1]}" if parts[0] == "heads" and len(parts) > 1 else parts[0]
+
     out = []
-    for node in ast.walk(tree(os.path.join(KIT, module + ".py"))):
+    for node in ast.walk(tree(path_of(module))):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:  # from .x import a, b
-                out.append((node.module.split(".")[0], [a.name for a in node.names]))
-            elif node.level == 1:  # from . import x, y
-                out += [(a.name, []) for a in node.names]
+            base = package if node.level == 1 else "" if node.level == 2 or (node.level == 1 and not package) else None
+            if node.level and base is not None:
+                dotted = ".".join(p for p in (base, node.module) if p)
+                if node.module:  # from .x import a, b
+                    out.append((name(dotted), [a.name for a in node.names]))
+                else:  # from . import x, y
+                    out += [(name(f"{dotted}.{a.name}" if dotted else a.name), []) for a in node.names]
             elif node.module and node.module.startswith("retrieval_kit."):
-                out.append((node.module.split(".")[1], [a.name for a in node.names]))
+                out.append((name(node.module.split(".", 1)[1]), [a.name for a in node.names]))
             elif node.module == "retrieval_kit":
-                out += [(a.name, []) for a in node.names]
+                out += [(name(a.name), []) for a in node.names]
         elif isinstance(node, ast.Import):
-            out += [(a.name.split(".")[1], []) for a in node.names if a.name.startswith("retrieval_kit.")]
+            out += [(name(a.name.split(".", 1)[1]), []) for a in node.names if a.name.startswith("retrieval_kit.")]
     return out
 
 
@@ -92,7 +111,7 @@ def namespace_reads(path):
 
 
 def test_only_cli_and_the_entry_points_main_read_the_namespace():
-    bad = {m: namespace_reads(os.path.join(KIT, m + ".py")) for m in MODULES if m != "cli"}
+    bad = {m: namespace_reads(path_of(m)) for m in MODULES if m != "cli"}
     assert not {m: lines for m, lines in bad.items() if lines}, bad
 
 
@@ -123,7 +142,7 @@ def test_rank_and_world_size_are_read_in_dist_only():
     for m in MODULES:
         if m == "dist":
             continue
-        nodes = list(ast.walk(tree(os.path.join(KIT, m + ".py"))))
+        nodes = list(ast.walk(tree(path_of(m))))
         aliases = {"torch.distributed"} | {a.asname or a.name for n in nodes if isinstance(n, ast.Import)
                                            for a in n.names if a.name == "torch.distributed"}
         aliases |= {a.asname or a.name for n in nodes if isinstance(n, ast.ImportFrom) and n.module == "torch"
@@ -139,3 +158,55 @@ def test_rank_and_world_size_are_read_in_dist_only():
 def test_each_scripts_main_reads_top_to_bottom_in_120_lines(script):
     main = next(n for n in tree(os.path.join(ROOT, script)).body if isinstance(n, ast.FunctionDef) and n.name == "main")
     assert main.end_lineno - main.lineno + 1 <= 120
+
+
+LAYERING = {  # module (or prefix) -> the kit modules it must not import, and why
+    "models": ({"export", "st_format"}, "what a dir holds is read by st_format and passed in"),
+    "heads": ({"export"}, "a head writes its own files; export writes the dir"),
+    "losses": ({"dist"}, "losses are pure maths: the caller passes dist's gathers"),
+    "encode": ({"export"}, "the reranker's layout lives in collate"),
+}
+
+
+def layering_violations(imports):
+    """[(module, imported, why)] of `imports` ({module: {kit modules it imports}}) against LAYERING."""
+    return [(m, n, why) for m, names in sorted(imports.items()) for rule, (banned, why) in LAYERING.items()
+            if m == rule or m.startswith(rule + "/") for n in sorted(names & banned)]
+
+
+def test_the_layering_rules_hold():
+    imports = {m: {n for n, _ in kit_imports(m)} for m in MODULES}
+    assert not layering_violations(imports)
+    # the check fails on each broken direction (a reintroduced import, as the code read at 3df666c)
+    for m, n in (("models", "st_format"), ("models", "export"), ("heads/sparse", "export"), ("losses", "dist"),
+                 ("encode", "export")):
+        assert layering_violations({**imports, m: imports[m] | {n}}) == [(m, n, LAYERING[m.split("/")[0]][1])]
+
+
+def kind_comparisons(path):
+    """Lines of `path` that compare a value against a kind's name (heads.MODULES), or dispatch on a
+    tensor's shape (`.dim() == k`) or sparsity (`.is_sparse`)."""
+    from retrieval_kit.heads import MODULES as names
+
+    out = []
+    for node in ast.walk(tree(path)):
+        if isinstance(node, ast.Compare):
+            parts = [node.left, *node.comparators]
+            consts = [c for p in parts for c in ast.walk(p) if isinstance(c, ast.Constant)]
+            if any(c.value in names for c in consts if isinstance(c.value, str)):
+                out.append(f"{node.lineno}: {ast.unparse(node)}")
+            if any(isinstance(p, ast.Call) and getattr(p.func, "attr", None) == "dim" for p in parts) and any(
+                    c.value == 3 for c in consts):  # (token vectors: the multi-vector head's shape)
+                out.append(f"{node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.Attribute) and node.attr == "is_sparse":
+            out.append(f"{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_outside_heads_and_cli_nothing_branches_on_the_kind():
+    files = [path_of(m) for m in MODULES if not m.startswith("heads") and m != "cli"]
+    files += [os.path.join(ROOT, s) for s in ("train_biencoder.py", "train_reranker.py")]
+    bad = {os.path.relpath(f, ROOT): kind_comparisons(f) for f in files}
+    assert not {f: lines for f, lines in bad.items() if lines}, bad
+    probe = os.path.join(ROOT, "tests", "data", "kind_branch_probe.txt")  # the check can fail
+    assert kind_comparisons(probe) == ["1: settings.get('head') == 'sparse'", "2: q.dim() == 3", "3: p.is_sparse"]

@@ -60,8 +60,10 @@ import importlib
 
 MODULES = {"single-vector": "single_vector", "multi-vector": "multi_vector", "sparse": "sparse",  # embedding heads
            "classifier": "classifier", "lm": "lm"}  # reranker heads
-EMBEDDING = ("single-vector", "multi-vector", "sparse")
-RERANKER = ("classifier", "lm")
+EMBEDDING = ("single-vector", "multi-vector", "sparse")  # the first: the default bi-encoder head
+RERANKER = ("classifier", "lm")  # the first: the default reranker head
+SINGLE_VECTOR, MULTI_VECTOR, SPARSE = EMBEDDING  # the names, for a dir's spec (st_format) to say what it holds
+CLASSIFIER, LM = RERANKER
 
 
 def get(name):

@@ -96,6 +96,7 @@ class Classifier(torch.nn.Module):
         if pooling not in POOLING:
             raise ValueError(f"unknown pooling {pooling!r}; choose one of {POOLING}")
         self.model, self.pooling = model, pooling
+        self.train(model.training)  # a wrapper takes its model's mode (from_pretrained: eval)
         fp32_head(model)  # logits in fp32 under bf16 compute
         if pooling != "native":
             rerank_head(model)  # fail now, not at the first step

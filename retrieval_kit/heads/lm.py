@@ -67,6 +67,7 @@ class LMScore(torch.nn.Module):
     def __init__(self, model, token_ids):
         super().__init__()
         self.model, self.token_ids = model, token_ids
+        self.train(model.training)  # a wrapper takes its model's mode (from_pretrained: eval)
 
     def score(self, batch):
         """Only the last real position's hidden state meets only the two vocabulary rows (never

@@ -89,6 +89,7 @@ class LateInteraction(torch.nn.Module):
     def __init__(self, encoder, widths=None):
         super().__init__()
         self.encoder, self.widths = encoder, dict(widths or {})
+        self.train(encoder.training)  # a wrapper takes its model's mode (from_pretrained: eval)
 
     def embed(self, batch, width=None):
         if isinstance(batch, Chunked):

@@ -95,6 +95,7 @@ class BiEncoder(torch.nn.Module):
         if pooling not in POOLING_MODES:
             raise ValueError(f"unknown pooling {pooling!r}; choose one of {POOLING_MODES}")
         self.encoder, self.pooling, self.normalize = encoder, pooling, normalize
+        self.train(encoder.training)  # a wrapper takes its model's mode (from_pretrained: eval)
 
     def embed(self, batch):
         """(rows, H) embeddings of a tokenized dict or a Chunked batch."""

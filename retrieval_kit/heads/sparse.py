@@ -107,6 +107,7 @@ class Splade(torch.nn.Module):
     def __init__(self, encoder):
         super().__init__()
         self.encoder = encoder
+        self.train(encoder.training)  # a wrapper takes its model's mode (from_pretrained: eval)
 
     def forward(self, **batches):
         return {name: run_chunked(lambda b: sparse_vectors(self.encoder, b), x) if isinstance(x, Chunked)
