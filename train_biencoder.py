@@ -139,7 +139,7 @@ def main():
         return loop.stop_early(logger, stop, state.step, args.output_dir)
 
     # ----- export --------------------------------------------------------------------------------
-    selected = ckpt.load_best(encoder, args.output_dir, state.best, state.step, model)  # --select-best: its weights
+    selected = loop.final_weights(encoder, args.output_dir, state, model)  # --select-best: its weights
     final = export_model(os.path.join(args.output_dir, "final"), encoder, tokenizer,
                          {"kind": "biencoder", **settings, "temperature": args.temperature, "matryoshka_dims": dims[0],
                           "train_files": args.train_mixture, "selected": selected},  # each file's own prompts among them

@@ -211,7 +211,7 @@ def main():
 
     # ----- export --------------------------------------------------------------------------------
     final = os.path.join(args.output_dir, "final")
-    selected = ckpt.load_best(net, args.output_dir, state.best, state.step, model)  # --select-best: its weights
+    selected = loop.final_weights(net, args.output_dir, state, model)  # --select-best: its weights
     fusion = dev and dev.choose(eval_model, tokenizer, tok_settings, ctx.device)  # on them
     export_reranker(final, net, tokenizer, {"kind": "reranker", "pooling": args.pooling or "native",  # (lm: unused)
                                             "bidirectional": args.bidirectional,

@@ -99,6 +99,18 @@ def encode_shard(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
     return head.select(mine, torch.arange(len(own))), min(rank * per, len(texts))
 
 
+def warn_empty(head, stored, what):
+    """A warning (once per process and `what`) when `head` stored all-zero vectors for some texts: they
+    score 0 against everything (a sparse model that activates no dimension for them)."""
+    from .collate import warn_once
+
+    n = head.empty_rows(stored)
+    if n:
+        warn_once(f"empty {what}", f"{n} of {stored.shape[0]} {what} have an all-zero vector: they score 0 against "
+                                   "everything (a sparse model that activates nothing for them)")
+    return n
+
+
 def block_sum(path):
     import hashlib
 

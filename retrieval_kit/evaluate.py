@@ -42,7 +42,17 @@ def load_beir(beir_dir, split="test"):
     corpus = read_corpus(_beir_file(os.path.join(beir_dir, "corpus.jsonl")))
     ids, texts = [corpus.ids[i] for i in range(len(corpus))], [corpus.texts[i] for i in range(len(corpus))]
     queries = read_queries(_beir_file(os.path.join(beir_dir, "queries.jsonl")))
-    qrels = read_qrels(_beir_file(os.path.join(beir_dir, "qrels", f"{split}.tsv")), queries)
+    qrels_path = _beir_file(os.path.join(beir_dir, "qrels", f"{split}.tsv"))
+    qrels = read_qrels(qrels_path, queries)
+    known = set(ids)
+    judged = [d for docs in qrels.values() for d in docs]
+    unknown = sum(d not in known for d in judged)
+    if unknown == len(judged):  # every metric would be 0, and no search could change it
+        raise SystemExit(f"{qrels_path}: none of its {len(judged)} judged documents is in {beir_dir}'s corpus.jsonl "
+                         "(the qrels of another corpus?)")
+    if unknown:  # (as BEIR's own evaluation, they stay relevant documents no search can find)
+        dist.print0(f"warning: {qrels_path}: {unknown} of its {len(judged)} judgments name documents that are not in "
+                    "the corpus: they count as relevant documents no search can find (recall and nDCG stay below 1)")
     return ids, texts, queries, qrels
 
 
@@ -52,11 +62,11 @@ def biencoder_settings(spec, flags):
     st_format.read_spec), else the kit's defaults (a decoder's pooling: last, the token that has read the
     whole text); prints what it read from sentence-transformers files. A reranker export, or a dir whose
     own head is not the one asked for (heads.check_dir), is one sentence."""
-    if spec.kit.get("kind") == "reranker":  # its pooling ('native': a classification head) embeds nothing
-        raise SystemExit(f"{spec.path}: a reranker export (its retrieval_kit.json), not a bi-encoder: pass a dir "
-                         "train_biencoder.py exported (or any embedding model) where a bi-encoder is asked for")
     defaults = {**KIT_DEFAULTS, "pooling": "last"} if decoder_dir(spec.path) else KIT_DEFAULTS
     head = resolve_head(spec, flags, defaults)
+    if spec.kit.get("kind") == "reranker" or head not in heads.EMBEDDING:  # a classification head embeds nothing
+        raise SystemExit(f"{spec.path}: a reranker export (its retrieval_kit.json), not a bi-encoder: pass a dir "
+                         "train_biencoder.py exported (or any embedding model) where a bi-encoder is asked for")
     heads.check_dir(spec, head)
     settings, read = resolve_biencoder_settings(spec, flags, defaults, heads.get(head).SETTINGS)
     if read:

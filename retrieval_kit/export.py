@@ -254,18 +254,21 @@ def rewrite_pair_post_processor(out_dir, tokenizer, layout):
 def load_exported_reranker(model_dir, dtype=torch.float32, trust_remote_code=False):
     """(the head's scorer in eval mode, tokenizer, settings) from a train_reranker.py export, with the
     saved padding side, pooling and attention direction applied."""
-    from transformers import AutoTokenizer
+    from .models import load_tokenizer, make_bidirectional, setup_pad_token
+    from .st_format import read_spec
 
-    from .models import make_bidirectional, setup_pad_token
-
-    settings = load_settings(model_dir)
+    settings = read_spec(model_dir).kit  # (the dir read and checked as a whole)
     if settings.get("kind") != "reranker":
         raise SystemExit(f"{model_dir}: " + (f"a {settings['kind']} export (its {SETTINGS_FILE}), not a reranker" if
                                              settings.get("kind") else f"not an export of train_reranker.py (no "
                                              f"{SETTINGS_FILE} saying how it scores pairs)") +
                          ": pass the dir train_reranker.py exported")
+    missing = [k for k in ("prompt_template", "rerank_max_length") if k not in settings]
+    if missing:
+        raise SystemExit(f"{os.path.join(model_dir, SETTINGS_FILE)}: no {' or '.join(missing)} (how the reranker "
+                         "tokenized pairs): copy the export whole again")
     head = heads.get(settings.get("head", heads.CLASSIFIER))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(model_dir, trust_remote_code)
     if settings.get("padding_side"):
         tokenizer.padding_side = settings["padding_side"]
     net = head.load(model_dir, dtype, trust_remote_code=trust_remote_code)

@@ -267,6 +267,16 @@ def reranker_group_scores(model, queries, groups, *, collate, device, autocast_d
     return logits.float().view(len(queries), -1), listwise_loss(logits, len(groups[0]))
 
 
+def final_weights(model, run_dir, state, wrapped=None):
+    """Before the export: a run that trained nothing - every one of its steps skipped as non-finite - ends
+    with one sentence and a non-zero exit, not an untrained export; with --select-best, the best validated
+    step's weights into `model` (ckpt.load_best). Returns the selection (None without --select-best)."""
+    if state.step and state.skipped >= state.step:
+        raise SystemExit(f"every one of the run's {state.step} steps was skipped: its loss or gradients were not "
+                         f"finite; nothing was trained, so nothing is exported (lower --lr, check the data)")
+    return ckpt.load_best(model, run_dir, state.best, state.step, wrapped)
+
+
 def end_run(logger, message):
     logger.close()
     dist.print0(message)

@@ -229,7 +229,7 @@ def main(argv=None):
 
     from . import dist, flags, outputs, precision
     from .records import read_records
-    from .encode import encode_blocks
+    from .encode import encode_blocks, warn_empty
     from .score import MANIFEST, check_parts, model_digest
     from . import cli
     from .evaluate import load_biencoder
@@ -304,6 +304,8 @@ def main(argv=None):
         q_own, q_ids = encode_blocks(enc, tok, [r.query for r in records], s["query_max_length"], s["query_prefix"],
                                      args.batch_size, ctx.device, parts, "queries", args.block_size, ctx.is_main,
                                      sides["q"], head, "q")
+    warn_empty(head, p_shard, "passages")  # (this rank's blocks; a sparse model's empty vectors)
+    warn_empty(head, q_own, "queries")
     dist.print0(f"candidates: {len(texts):,} passages, each rank encoding and searching its blocks of them for "
                 f"its blocks of the {len(records):,} queries ({ctx.world_size} rank{'s' if ctx.world_size > 1 else ''}"
                 f"; blocks of {args.block_size:,} in {parts}, kept until the file is written)")

@@ -32,7 +32,8 @@ def default_model_dir():
 
 class loading:
     """Around a from_pretrained call: a dir that cannot be loaded (files missing or unreadable, a
-    config transformers does not know) ends the run with one sentence naming it, not a traceback."""
+    config transformers does not know or whose fields it refuses, weights that do not fit it) ends the
+    run with one sentence naming it, not a traceback. Only from_pretrained runs inside."""
 
     def __init__(self, path, what):
         self.path, self.what = path, what
@@ -41,7 +42,8 @@ class loading:
         return self
 
     def __exit__(self, kind, e, tb):
-        if e is not None and (isinstance(e, (OSError, ValueError)) or type(e).__name__ == "SafetensorError"):
+        if e is not None and (isinstance(e, (OSError, ValueError, TypeError, KeyError, AttributeError, IndexError,
+                                             RuntimeError, ArithmeticError)) or type(e).__name__ == "SafetensorError"):
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise SystemExit(f"{self.path}: cannot load the {self.what} ({first})") from None
         return False

@@ -71,7 +71,7 @@ class Scorer:
 
             return rerank_groups(self.model, self.tokenizer, queries, [[p] for p in passages], self.settings,
                                  self.batch_size, self.device)[:, 0].tolist()
-        from .encode import encode_texts
+        from .encode import encode_texts, warn_empty
 
         s, head = self.settings, self.head
         sides = head.sides(self.tokenizer, s)  # multi-vector: query expansion, the passages' skiplist
@@ -81,6 +81,8 @@ class Scorer:
                          self.device, side=sides["q"], head=head, name="q", dtype=self.storage)
         p = encode_texts(self.model, self.tokenizer, passages, s["passage_max_length"], s["passage_prefix"],
                          self.batch_size, self.device, side=sides["p"], head=head, name="p", dtype=self.storage)
+        warn_empty(head, q, "queries")
+        warn_empty(head, p, "passages")
         q, p = head.as_dense(q), head.as_dense(p)  # (a block of records' passages)
         return head.pair_scores(q[[row[text] for text in queries]], p).tolist()
 

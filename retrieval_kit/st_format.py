@@ -94,7 +94,7 @@ def _pooling_mode(config, path):
         mode = modes[0] if len(modes) == 1 else modes
     if isinstance(mode, list) and len(mode) == 1:
         mode = mode[0]
-    if mode not in ST_POOLING:
+    if not isinstance(mode, str) or mode not in ST_POOLING:
         raise SystemExit(f"{path}: pooling {mode!r} is not one the kit trains ({', '.join(ST_POOLING)}); "
                          "pass --pooling avg|cls|last to choose one")
     return ST_POOLING[mode]
@@ -486,9 +486,10 @@ def _is_words(v):
 
 
 KIT_FIELDS = {  # what the kit reads of a retrieval_kit.json: (check, what it must be)
-    "kind": (lambda v: v in ("biencoder", "reranker"), "'biencoder' or 'reranker'"),
-    "head": (lambda v: v in MODULES, "one of " + ", ".join(MODULES)),
-    "pooling": (lambda v: v in ("avg", "cls", "last", "native"), "avg, cls, last (or native for a reranker)"),
+    "kind": (lambda v: v in ("biencoder", "reranker") if isinstance(v, str) else False, "'biencoder' or 'reranker'"),
+    "head": (lambda v: v in MODULES if isinstance(v, str) else False, "one of " + ", ".join(MODULES)),
+    "pooling": (lambda v: v in ("avg", "cls", "last", "native") if isinstance(v, str) else False,
+                "avg, cls, last (or native for a reranker)"),
     "normalize": (lambda v: isinstance(v, bool), "true or false"),
     "include_prompt": (lambda v: isinstance(v, bool), "true or false"),
     "query_prefix": (lambda v: isinstance(v, str), "a string"),
@@ -501,10 +502,11 @@ KIT_FIELDS = {  # what the kit reads of a retrieval_kit.json: (check, what it mu
     "query_expansion": (lambda v: v is False or v is None or (isinstance(v, dict) and isinstance(v.get("token") or "", str)),
                         "false, or an object with attend and token"),
     "matryoshka_dims": (lambda v: isinstance(v, list) and all(_is_length(d) for d in v), "a list of positive sizes"),
-    "prompt_template": (lambda v: isinstance(v, str), "a string"),
+    "prompt_template": (lambda v: isinstance(v, str) and (v == "pair" or v.count("{query}") == v.count("{passage}") == 1),
+                        "'pair' or a template holding {query} and {passage} once each"),
     "append_eos": (lambda v: isinstance(v, bool), "true or false"),
     "bidirectional": (lambda v: isinstance(v, bool), "true or false"),
-    "padding_side": (lambda v: v in ("left", "right"), "left or right"),
+    "padding_side": (lambda v: v in ("left", "right") if isinstance(v, str) else False, "left or right"),
     "pad_to_multiple_of": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0),
                            "a whole number or null"),
     "lm_token_ids": (lambda v: v is None or (isinstance(v, list) and len(v) == 2 and all(
@@ -544,6 +546,7 @@ def read_spec(model_dir):
     model's width (config.json's hidden_size) and their own weights (present, of that shape). One
     sentence naming the file and the field for anything wrong."""
     kit = load_settings(model_dir)
+    _check_hf_files(model_dir)
     multi = read_multi_vector(model_dir)
     sparse = read_sparse(model_dir)
     st = read_st_settings(model_dir)
@@ -560,6 +563,31 @@ def read_spec(model_dir):
         head = MULTI_VECTOR if multi else SPARSE if sparse else SINGLE_VECTOR if (
             st or kit.get("kind") == "biencoder") else None
     return DirSpec(model_dir, head, kit, st, dense, multi, list(multi["markers"]) if multi else [], sparse)
+
+
+HF_FIELDS = {  # what the kit (and transformers before it) reads of a Hugging Face dir's own files
+    "config.json": {"model_type": (lambda v: isinstance(v, str) and v, "a model type, a string"),
+                    "architectures": (lambda v: v is None or (isinstance(v, list) and all(isinstance(a, str) for a in v)),
+                                      "a list of class names"),
+                    "hidden_size": (_is_length, "a positive whole number"),
+                    "d_model": (_is_length, "a positive whole number"),
+                    "num_attention_heads": (_is_length, "a positive whole number"),
+                    "vocab_size": (_is_length, "a positive whole number")},
+    "tokenizer_config.json": {"model_max_length": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                   and v > 0, "a positive number of tokens")}}
+
+
+def _check_hf_files(model_dir):
+    """A Hugging Face dir's config.json and tokenizer_config.json, where present: JSON objects whose fields
+    the kit reads have their types (HF_FIELDS); one sentence naming the file and the field otherwise."""
+    for name, fields in HF_FIELDS.items():
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            continue
+        got = _json(path)
+        for key, (ok, what) in fields.items():
+            if key in got and not ok(got[key]):
+                _bad(path, key, got[key], what)
 
 
 def _hidden_size(model_dir):

@@ -32,6 +32,7 @@ Embedding heads (train_biencoder.py; the step runs `head.embedder(...)`, scored 
   as_dense(stored)               as a dense tensor (for gathers and pair scores)
   search(q, p, k)                exact top-k of dense queries against a stored corpus (shard), in blocks
   corpus_stats(q, p)             what evaluation reports of a corpus beyond the metrics ({} for none)
+  empty_rows(stored)             how many stored vectors are all zero (a sparse model that activates nothing)
   regularizer(flags, state, count_scale, max_steps)   a term added to the loss (sparse: FLOPS) or None
   split_export(weights)          pop the head's own module weights from the model's state dict
   write_export(stage, model, settings, head_weights, out_dir)   its sentence-transformers files ->

@@ -179,14 +179,21 @@ def corpus_stats(q, p_own):
     from ..dist import all_reduce_sum, print0
 
     nnz, rows = float(p_own._nnz()) if p_own.shape[0] else 0.0, float(p_own.shape[0])
-    empty_d = float(p_own.shape[0] - p_own.coalesce().indices()[0].unique().numel()) if p_own.shape[0] else 0.0
-    nnz, rows, empty_d = all_reduce_sum([nnz, rows, empty_d])
-    empty_q = int(((q != 0).sum(1) == 0).sum())
+    nnz, rows, empty_d = all_reduce_sum([nnz, rows, empty_rows(p_own)])
+    empty_q = empty_rows(q)
     if empty_q or empty_d:
         print0(f"warning: sparse: {empty_q} of {q.shape[0]} queries and {int(empty_d)} of {int(rows)} documents have "
                "no active dimension (all-zero vectors score 0 against everything)")
     return {"active_dims_q": float((q != 0).sum(1).float().mean()), "active_dims_d": nnz / max(rows, 1.0),
             "index_mb": nnz * 8 / 2 ** 20}
+
+
+def empty_rows(stored):
+    """How many of the stored vectors (a sparse COO (N, V) corpus, or dense rows) are all zero: texts the
+    model activates nothing for, which score 0 against everything."""
+    if stored.layout == torch.sparse_coo:
+        return int(stored.shape[0] - stored.coalesce().indices()[0].unique().numel()) if stored.shape[0] else 0
+    return int(((stored != 0).sum(-1) == 0).sum()) if stored.numel() else 0
 
 
 class Flops:
