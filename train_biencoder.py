@@ -12,8 +12,9 @@ checkpoints and final/ (an exported model dir).
 import functools
 import os
 
-from retrieval_kit import ckpt, cli, data, dist, dropout, evaluate, heads, log, loop, lora, optim, plan, precision, records
+from retrieval_kit import ckpt, cli, data, dist, dropout, evaluate, log, loop, lora, merge, optim, plan, precision, records
 from retrieval_kit.collate import biencoder_inputs
+from retrieval_kit.ema import EMA
 from retrieval_kit.export import export_model, model_card
 from retrieval_kit.formats import exit_on_data_error
 from retrieval_kit.losses import biencoder_loss, contrastive_loss, matryoshka, matryoshka_plan
@@ -24,6 +25,23 @@ from retrieval_kit.st_format import read_spec
 
 def parse_args(argv=None):
     return cli.parse(cli.biencoder_parser(__doc__), argv)  # every flag: retrieval_kit/cli.py, docs/flags.md
+
+
+def validation(model, val_records, retrieval, val_score, tokenizer, settings, dims, ctx, args, ema=None):
+    """{log prefix: metrics} of one validation: the fixed groups (val/*), the retrieval sets (beir/*:
+    --eval-beir, dev/*: --dev-queries; {name}_dim{d}/* for each Matryoshka size); with `ema`
+    (--validate-ema) the same of the average (ema_*)."""
+    out = {}
+    if val_records:
+        out["val"] = loop.validate_groups(model, val_records, args.val_n_passages, args.val_batch_size, ctx, val_score)
+    for name, corpus in retrieval.items():
+        out.update(evaluate.beir_metrics(model, tokenizer, settings, corpus, args.eval_k, args.val_batch_size,
+                                         ctx.device, dims, ctx.is_main, name))
+    if ema is not None:
+        with ema.swapped():
+            out.update({f"ema_{k}": v for k, v in validation(model, val_records, retrieval, val_score, tokenizer,
+                                                             settings, dims, ctx, args).items()})
+    return out
 
 
 def main():
@@ -44,7 +62,7 @@ def main():
     storage_dtype, compute_dtype, autocast_dtype = cli.precision_dtypes(args)  # precision.resolve
     model_dir = args.model or default_model_dir()
     spec = read_spec(model_dir)  # what the dir holds, validated as a whole
-    settings = evaluate.biencoder_settings(spec, cli.setting_overrides(args))  # says what the dir set
+    settings = evaluate.biencoder_settings(spec, cli.setting_overrides(args), training=True)  # says what the dir set
     head = cli.head_flags(args, settings["head"])  # --head or the dir's (heads/); another head's flag: one sentence
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code, spec.markers)
     encoder, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
@@ -66,8 +84,9 @@ def main():
                                       (args.adam_beta1, args.adam_beta2), args.adam_eps)
     scheduler = optim.build_scheduler(optimizer, args.warmup_steps, args.max_steps, args.lr_schedule)
     state = loop.LoopState(loss_avg=WindowedAverage(args.loss_avg_window))
+    ema = EMA(encoder, args.ema_decay) if args.ema_decay else None  # --ema-decay: an average of the trained weights
     if resume_dir:
-        state.load(ckpt.load_training_state(resume_dir, optimizer, scheduler, ctx.rank, wrapped=model))
+        state.load(ckpt.load_training_state(resume_dir, optimizer, scheduler, ctx.rank, wrapped=model, ema=ema))
     start_step = state.step
 
     # ----- batches, built ahead; the step, decided once -----------------------------------------
@@ -97,7 +116,7 @@ def main():
                        n_train=sum(len(f.records) for f in files), n_val=len(val_records),
                        train_files=args.train_mixture, steps_per_epoch=dataset.steps_per_epoch,
                        num_workers=args.num_workers, flops_per_token=log.flops_per_token(encoder),
-                       memory_plan=plan.memory_plan(encoder, ctx.world_size, args.parallel), lora=lora_info,
+                       memory_plan=plan.memory_plan(encoder, ctx.world_size, args.parallel, ema), lora=lora_info,
                        summary=f"world {ctx.world_size} on {ctx.device}; {data.describe_files(files)}, "
                                f"{len(val_records)} val; {args.batch_size * ctx.world_size * args.grad_accum_steps} "
                                f"queries x {args.n_passages} passages per step; {args.parallel}, "
@@ -110,20 +129,14 @@ def main():
     while True:
         step, last_step = state.step, state.step >= args.max_steps
         if not state.stopping and loop.eval_due(step, start_step, args.val_every, last_step):
-            if val_records:
-                metrics = loop.validate_groups(eval_model, val_records, args.val_n_passages, args.val_batch_size,
-                                               ctx, val_score)
-                logger.log_eval(step, metrics)
-            for name, corpus in retrieval.items():  # beir/* (--eval-beir), dev/* (--dev-queries); {name}_dim{d}/*
-                for prefix, metrics in evaluate.beir_metrics(eval_model, tokenizer, settings, corpus, args.eval_k,
-                                                             args.val_batch_size, ctx.device, dims[0], ctx.is_main,
-                                                             name).items():
-                    logger.log_eval(step, metrics, prefix, f"{args.eval_beir} {prefix}" if name == "beir" else prefix)
+            for prefix, metrics in validation(eval_model, val_records, retrieval, val_score, tokenizer, settings,
+                                              dims[0], ctx, args, ema if args.validate_ema else None).items():
+                logger.log_eval(step, metrics, prefix, f"{args.eval_beir} {prefix}" if prefix.startswith("beir") else prefix)
         best_now = state.observe(args.select_best, logger.last, step)  # --select-best: checkpoint a new best
         if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping) or best_now:
             ckpt.save_checkpoint(args.output_dir, step, encoder, optimizer, scheduler,
                                  state.state_dict(dataset.steps_per_epoch, args.grad_accum_steps), vars(args),
-                                 wrapped=model, keep_last=args.keep_last, sharded_model=args.sharded_checkpoints)
+                                 wrapped=model, keep_last=args.keep_last, sharded_model=args.sharded_checkpoints, ema=ema)
         if last_step or state.stopping:
             break
 
@@ -132,19 +145,22 @@ def main():
             inputs = loop.to_device(next(batches), ctx.device)  # {"q": Chunked, "p": Chunked}
             sums.add(inputs, *fwd_bwd(model, inputs, sync=micro == args.grad_accum_steps - 1))
         scalars = loop.finish_step(model, optimizer, scheduler, state, sums, stop.requested, args.max_grad_norm,
-                                   args.max_bad_steps)  # clip -> step or skip -> reduce over ranks -> stop flag
+                                   args.max_bad_steps, ema)  # clip -> step or skip -> EMA -> reduce -> stop flag
         logger.log_step(state.step, {**scalars, **dataset.drawn(state.step * args.grad_accum_steps)})
 
     if state.stopping:
         return loop.stop_early(logger, stop, state.step, args.output_dir)
 
     # ----- export --------------------------------------------------------------------------------
-    selected = loop.final_weights(encoder, args.output_dir, state, model)  # --select-best: its weights
+    selected = loop.final_weights(encoder, args.output_dir, state, model, ema if args.export_ema else None)  # or EMA
     final = export_model(os.path.join(args.output_dir, "final"), encoder, tokenizer,
                          {"kind": "biencoder", **settings, "temperature": args.temperature, "matryoshka_dims": dims[0],
                           "train_files": args.train_mixture, "selected": selected},  # each file's own prompts among them
                          card=model_card("biencoder", model_dir, args.train_mixture, state.step,
                                          cli.loss_summary(args, gather, dims[0]), logger.last))
+    if args.merge_alphas:  # --merge-alphas: final/ becomes its merge with the base, the alpha chosen on dev/*
+        merge.dev_merge(final, model_dir, args.merge_alphas, args.merge_tolerance, lambda m, t, s: validation(
+            head.embedder(m, s).eval(), [], retrieval, None, t, s, (), ctx, args), ctx.device)
     loop.end_run(logger, f"exported the bi-encoder to {final}")
 
 

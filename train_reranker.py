@@ -17,8 +17,9 @@ import os
 
 import torch
 
-from retrieval_kit import (ckpt, cli, data, dist, dropout, evaluate, heads, log, loop, lora, optim, plan, precision,
-                           records)
+from retrieval_kit import (ckpt, cli, data, dist, dropout, evaluate, heads, log, loop, lora, merge, optim, plan,
+                           precision, records)
+from retrieval_kit.ema import EMA
 from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, TEMPLATE_PRESETS, pair_layout, rerank_inputs
 from retrieval_kit.export import export_reranker, model_card, warn_kit_only
 from retrieval_kit.formats import exit_on_data_error
@@ -87,9 +88,10 @@ def warn_if_tokenization_changed(meta, settings):
         dist.print0(f"warning: tokenization differs from the checkpoint's (saved, now): {changed}")
 
 
-def validation(eval_model, val_records, dev, val_score, tokenizer, tok_settings, ctx, args):
+def validation(eval_model, val_records, dev, val_score, tokenizer, tok_settings, ctx, args, ema=None):
     """{log prefix: metrics} of one validation: the fixed groups (val/*) and the dev pipeline
-    (--dev-queries: dev/*, dev_fused/*, dev_best/*; evaluate.RerankDev)."""
+    (--dev-queries: dev/*, dev_fused/*, dev_best/*; evaluate.RerankDev); with `ema` (--validate-ema) the
+    same of the average (ema_*)."""
     out = {}
     if val_records:
         out["val"] = loop.validate_groups(eval_model, val_records, args.val_n_passages, args.val_batch_size, ctx,
@@ -97,6 +99,10 @@ def validation(eval_model, val_records, dev, val_score, tokenizer, tok_settings,
     if dev:
         out.update(dev.metrics(eval_model, tokenizer, tok_settings, args.val_batch_size * args.val_n_passages,
                                ctx.device))  # forwards as large as the groups'
+    if ema is not None:
+        with ema.swapped():
+            out.update({f"ema_{k}": v for k, v in validation(eval_model, val_records, dev, val_score, tokenizer,
+                                                             tok_settings, ctx, args).items()})
     return out
 
 
@@ -146,9 +152,10 @@ def main():
     scheduler = optim.build_scheduler(optimizer, args.warmup_steps, args.max_steps, args.lr_schedule)
     state = loop.LoopState(loss_avg=WindowedAverage(args.loss_avg_window))
     tok_settings = tokenization_settings(args, tokenizer, template)
+    ema = EMA(net, args.ema_decay) if args.ema_decay else None  # --ema-decay: an average of the trained weights
     if resume_dir:  # (and a warning if the checkpoint's run tokenized pairs otherwise)
         warn_if_tokenization_changed(state.load(ckpt.load_training_state(resume_dir, optimizer, scheduler, ctx.rank,
-                                                                         wrapped=model)), tok_settings)
+                                                                         wrapped=model, ema=ema)), tok_settings)
     start_step = state.step
 
     # ----- batches, built ahead; the step, decided once -----------------------------------------
@@ -158,22 +165,19 @@ def main():
     dataset = data.StepBatches(files, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed,
                                [functools.partial(collate, layout=layouts[f.name]) for f in files],  # its own template
                                scores=args.distill_weight > 0)  # teacher scores ride with the batch
-    batches = loop.step_batches(dataset, start_step, args.max_steps, args.grad_accum_steps, args.num_workers,
-                                ctx.device)
+    batches = loop.step_batches(dataset, start_step, args.max_steps, args.grad_accum_steps, args.num_workers, ctx.device)
     loss_fn = functools.partial(reranker_loss, n_passages=args.n_passages, loss=RERANK_LOSSES[args.loss],
                                 distill_weight=args.distill_weight, teacher_temperature=args.teacher_temperature)
     fwd_bwd = loop.step_fn(args.grad_cache, loss_fn, args.grad_accum_steps, (ctx.device.type, autocast_dtype))
-    val_score = functools.partial(loop.reranker_group_scores, collate=collate, device=ctx.device,
-                                  autocast_dtype=autocast_dtype)
+    val_score = functools.partial(loop.reranker_group_scores, collate=collate, device=ctx.device, autocast_dtype=autocast_dtype)
 
     # ----- logging -------------------------------------------------------------------------------
     logger = log.start(vars(args), ctx, args.output_dir, args.max_steps, start_step, args.log_every,
                        ("loss", "loss_avg_window", "acc", "lr", "samples_per_s"), model_dir=model_dir,
-                       storage_dtype=str(storage_dtype), tokenization=tok_settings,
-                       n_train=sum(len(f.records) for f in files), train_files=args.train_mixture,
-                       n_val=len(val_records), steps_per_epoch=dataset.steps_per_epoch, num_workers=args.num_workers,
-                       flops_per_token=log.flops_per_token(net),
-                       memory_plan=plan.memory_plan(net, ctx.world_size, args.parallel), lora=lora_info,
+                       storage_dtype=str(storage_dtype), tokenization=tok_settings, lora=lora_info,
+                       n_train=sum(len(f.records) for f in files), train_files=args.train_mixture, n_val=len(val_records),
+                       steps_per_epoch=dataset.steps_per_epoch, num_workers=args.num_workers,
+                       flops_per_token=log.flops_per_token(net), memory_plan=plan.memory_plan(net, ctx.world_size, args.parallel, ema),
                        summary=f"world {ctx.world_size} on {ctx.device}; {data.describe_files(files)}, "
                                f"{len(val_records)} val; {args.batch_size * ctx.world_size * args.grad_accum_steps} "
                                f"queries x {args.n_passages} pairs per step; {args.parallel}, "
@@ -187,14 +191,14 @@ def main():
         step, last_step = state.step, state.step >= args.max_steps
         if not state.stopping and loop.eval_due(step, start_step, args.val_every, last_step):
             for prefix, metrics in validation(eval_model, val_records, dev, val_score, tokenizer, tok_settings, ctx,
-                                              args).items():  # val/*; dev/*, dev_fused/*, dev_best/*
+                                              args, ema if args.validate_ema else None).items():  # val/*; dev/*, ...
                 logger.log_eval(step, metrics, prefix)
         best_now = state.observe(args.select_best, logger.last, step)  # --select-best: checkpoint a new best
         if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping) or best_now:
             ckpt.save_checkpoint(args.output_dir, step, net, optimizer, scheduler,
                                  {**state.state_dict(dataset.steps_per_epoch, args.grad_accum_steps),
                                   "tokenization": tok_settings}, vars(args), wrapped=model, keep_last=args.keep_last,
-                                 sharded_model=args.sharded_checkpoints)
+                                 sharded_model=args.sharded_checkpoints, ema=ema)
         if last_step or state.stopping:
             break
 
@@ -203,7 +207,7 @@ def main():
             inputs = loop.to_device(next(batches), ctx.device)  # {"pairs": Chunked}
             sums.add(inputs, *fwd_bwd(model, inputs, sync=micro == args.grad_accum_steps - 1))
         scalars = loop.finish_step(model, optimizer, scheduler, state, sums, stop.requested, args.max_grad_norm,
-                                   args.max_bad_steps)  # clip -> step or skip -> reduce over ranks -> stop flag
+                                   args.max_bad_steps, ema)  # clip -> step or skip -> EMA -> reduce -> stop flag
         logger.log_step(state.step, {**scalars, **dataset.drawn(state.step * args.grad_accum_steps)})
 
     if state.stopping:
@@ -211,14 +215,16 @@ def main():
 
     # ----- export --------------------------------------------------------------------------------
     final = os.path.join(args.output_dir, "final")
-    selected = loop.final_weights(net, args.output_dir, state, model)  # --select-best: its weights
+    selected = loop.final_weights(net, args.output_dir, state, model, ema if args.export_ema else None)  # or EMA
     fusion = dev and dev.choose(eval_model, tokenizer, tok_settings, ctx.device)  # on them
-    export_reranker(final, net, tokenizer, {"kind": "reranker", "pooling": args.pooling or "native",  # (lm: unused)
-                                            "bidirectional": args.bidirectional,
-                                            "loss": args.loss, "head": head.NAME, "lm_token_ids": lm_ids,
+    export_reranker(final, net, tokenizer, {"kind": "reranker", "pooling": args.pooling or "native", "head": head.NAME,
+                                            "bidirectional": args.bidirectional, "loss": args.loss, "lm_token_ids": lm_ids,
                                             "selected": selected, "fusion": fusion, **tok_settings}, args.trust_remote_code,
                     card=model_card("reranker", model_dir, args.train_mixture, state.step, cli.loss_summary(args),
                                     logger.last), seq_cls=args.export_seq_cls)  # --export-seq-cls: also final/seq_cls
+    if args.merge_alphas:  # --merge-alphas: final/ becomes its merge with the base, the alpha chosen on dev/*
+        merge.dev_merge(final, model_dir, args.merge_alphas, args.merge_tolerance, lambda m, t, s: {"dev": dev.metrics(
+            head.scorer(m, s["pooling"], s.get("lm_token_ids")).eval(), t, s, args.val_batch_size, ctx.device)["dev"]})
     loop.end_run(logger, f"exported the reranker to {final}")
 
 

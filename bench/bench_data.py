@@ -200,6 +200,9 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/retrieval_kit_bench_data")
     ap.add_argument("--skip-baseline", action="store_true", help="leave out the plain-Python baseline")
+    ap.add_argument("--modes", default="nocache,cold,warm", help="the loads to time, of nocache, cold, warm "
+                    "(default all three)")
+    ap.add_argument("--skip-sharing", action="store_true", help="leave out the 2 ranks x 2 workers PSS measure")
     ap.add_argument("--one-run", choices=["nocache", "cold", "warm", "naive", "tree-empty", "tree-nocache",
                                           "tree-cache"], help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -224,6 +227,8 @@ def main():
           f"by id; files {files_mb:,.0f} MB, corpus text {text_mb:,.0f} MB; median of {args.runs} runs", flush=True)
     for mode, what in (("nocache", "no cache (--data-cache off)"), ("cold", "cold: parsed, cache written"),
                        ("warm", "warm: cache mapped")):
+        if mode not in args.modes.split(","):
+            continue
         med = measure(args, mode)
         grown, peak = med["rss_mb"] - med["base_mb"], med["peak_mb"] - med["base_mb"]
         print(f"  load, {what}: {med['seconds']:.2f} s; data side (RSS over {med['base_mb']:,.0f} MB after imports) "
@@ -232,6 +237,8 @@ def main():
     cache_mb = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(os.path.join(args.dir, "cache"))
                    for f in fs) / 2**20
     print(f"  cache on disk: {cache_mb:,.0f} MB", flush=True)
+    if args.skip_sharing:
+        return
     empty = measure(args, "tree-empty", 1)["pss_mb"]
     for mode, what in (("tree-nocache", "no cache"), ("tree-cache", "cache mapped")):
         got = measure(args, mode, 1)["pss_mb"] - empty

@@ -109,7 +109,7 @@ def _sharded(wrapped):
 
 
 def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args=None, wrapped=None, keep_last=0,
-                    sharded_model=False):
+                    sharded_model=False, ema=None):
     """Write `run_dir/step_{step:06d}/` atomically from all ranks (collective), then keep the newest
     `keep_last` complete ones (0 = all). Returns the path. A write that fails (a full disk, a
     quota) ends the run with one sentence; the checkpoints before it are untouched.
@@ -117,11 +117,12 @@ def save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args
     `model` is the raw HF module whose weights are saved; `wrapped` the DDP / FSDP2 module the
     optimizer was built under (needed to gather sharded optimizer state). `sharded_model`
     (--sharded-checkpoints, FSDP2 only): every rank writes its own model shards with DCP
-    (`model_dcp/`) instead of rank 0 gathering and writing one `model.safetensors`.
+    (`model_dcp/`) instead of rank 0 gathering and writing one `model.safetensors`. `ema` (--ema-decay):
+    its average too, `ema.safetensors` (gathered by rank 0).
     """
     with flags.writing(f"the step {step} checkpoint in {run_dir}", then=lambda: after_failed_write(run_dir)):
         return _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args, wrapped, keep_last,
-                                sharded_model and _sharded(wrapped))
+                                sharded_model and _sharded(wrapped), ema)
 
 
 def after_failed_write(run_dir):
@@ -130,7 +131,8 @@ def after_failed_write(run_dir):
             "--resume auto")
 
 
-def _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args, wrapped, keep_last, dcp_model):
+def _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, args, wrapped, keep_last, dcp_model,
+                     ema=None):
     name = f"step_{step:06d}"
     final, tmp = os.path.join(run_dir, name), os.path.join(run_dir, f".tmp_{name}")
     me = rank()
@@ -142,6 +144,7 @@ def _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, arg
     lora = has_lora(unwrap(model))  # LoRA: only what is trained (adapters, a fresh head), not the frozen base
     dcp_model = dcp_model and not lora
     weights = trained_state_dict(unwrap(model)) if lora else None if dcp_model else full_state_dict(model)  # collective
+    average = ema.state_dict() if ema is not None else None  # (collective under FSDP2)
 
     if _sharded(wrapped):  # every rank writes its own shards; DCP reshards on load, for any rank count
         import torch.distributed.checkpoint as dcp
@@ -154,6 +157,8 @@ def _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, arg
     if me == 0:
         if weights is not None:
             save_file(weights, os.path.join(tmp, "model.safetensors"))
+        if average is not None:
+            save_file(average, os.path.join(tmp, "ema.safetensors"))
         if not _sharded(wrapped):
             torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
         torch.save(scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
@@ -485,7 +490,7 @@ def _decide_resume(run_dir, resume, overwrite, allow_changed, run_args, neutral,
     diffs = changed_args(saved_args, run_args, meta.get("world_size", 1), world, neutral)
     for k, why in FIXED.items():
         if k in saved_args and k in run_args and saved_args[k] != run_args[k]:
-            return None, (f"--resume: {resume_dir} was trained from --{k} {saved_args[k]}, this run names "
+            return None, (f"--resume: {resume_dir} was trained from --{k.replace('_', '-')} {saved_args[k]}, this run names "
                           f"{run_args[k]}; {why}")
     if diffs and not allow_changed:
         return None, (f"--resume: {resume_dir} was trained with other settings; what would change:\n  " +
@@ -598,16 +603,22 @@ def load_model_dcp(wrapped, ckpt_dir):
     set_model_state_dict(wrapped, state["model"])
 
 
-def load_training_state(ckpt_dir, optimizer, scheduler, rank, wrapped=None):
+def load_training_state(ckpt_dir, optimizer, scheduler, rank, wrapped=None, ema=None):
     """Resume, part 2 (after the optimizer is built on the wrapped, cast model): DCP model shards
-    if the checkpoint has them -> optimizer -> scheduler -> this rank's RNG; checks the optimizer
-    state kept fp32. Returns meta.json (step, loop state, args)."""
+    if the checkpoint has them -> optimizer -> scheduler -> the EMA (`ema`: --ema-decay) -> this rank's
+    RNG; checks the optimizer state kept fp32. Returns meta.json (step, loop state, args)."""
     from .precision import check_optimizer_state_dtype
 
     if load_meta(ckpt_dir).get("model_format") == "dcp":
         load_model_dcp(wrapped, ckpt_dir)
     load_optimizer(optimizer, ckpt_dir, wrapped)
     load_scheduler(scheduler, ckpt_dir)
+    if ema is not None:
+        path = os.path.join(ckpt_dir, "ema.safetensors")
+        if os.path.isfile(path):
+            ema.load_state_dict(load_file(path), path)
+        elif rank == 0:  # (a run resumed with --ema-decay newly given: --allow-changed-args)
+            print(f"warning: {ckpt_dir} holds no EMA: it starts at the resumed weights", flush=True)
     meta = load_meta(ckpt_dir)
     load_rng(ckpt_dir, rank)
     check_optimizer_state_dtype(optimizer)

@@ -257,7 +257,28 @@ def add_optim_args(parser, lr, max_steps, warmup_steps):
          help="a step whose loss or grad norm is not finite is skipped on every rank; stop after "
               "this many in a row (default 5)")
     flag(g, "--seed", type=flags.nonneg_int, default=42, help="data order, negative sampling and init (default 42)")
+    add_average_args(parser)
     return g
+
+
+def add_average_args(parser):
+    """Weight averaging, both scripts: the EMA of the trained weights, the merge with the base chosen on dev."""
+    g = parser.add_argument_group("weight averaging")
+    flag(g, "--ema-decay", type=flags.open_fraction, default=None,
+         help="keep an exponential moving average of the trained weights (the fp32 master weights; under LoRA "
+              "the adapters and a fresh head), updated after each optimizer step: ema = D x ema + (1 - D) x weights; "
+              "saved with checkpoints and restored on resume (default off; e.g. 0.99)")
+    flag(g, "--validate-ema", action="store_true", neutral=True,
+         help="each validation also scores the average (logged as ema_val/*, ema_beir/*, ema_dev/*)")
+    flag(g, "--export-ema", action="store_true", neutral=True, help="export the average instead of the last weights")
+    flag(g, "--merge-alphas", type=flags.listed(flags.fraction), default=None, neutral=True,
+         help="after the export: each alpha's merge with the base model, (1 - alpha) x base + alpha x tuned, scored on "
+              "the dev split (--dev-queries), and the smallest alpha within --merge-tolerance of the best nDCG@10 "
+              "exported, every candidate's scores recorded (--eval-beir sets reported, never used to choose); e.g. "
+              "0.2,0.4,0.6,0.8,1.0 (python -m retrieval_kit.merge does the same for any exports; default off)")
+    flag(g, "--merge-tolerance", type=flags.fraction, default=0.005, neutral=True,
+         help="--merge-alphas keeps the smallest alpha whose dev nDCG@10 is within this of the best (default 0.005: "
+              "half a point)")
 
 
 # ----- precision ---------------------------------------------------------------------------------
@@ -660,6 +681,15 @@ def parse(parser, argv=None):
         if split == "val" and name not in VAL_METRICS:
             raise SystemExit(f"--select-best {args.select_best}: val/* holds {', '.join(VAL_METRICS)} (the fixed "
                              "groups' validation); retrieval metrics are beir/* (--eval-beir) and dev/* (--dev-queries)")
+    if (args.validate_ema or args.export_ema) and not args.ema_decay:
+        raise SystemExit(f"--{'validate' if args.validate_ema else 'export'}-ema: only with --ema-decay (no average is "
+                         "kept)")
+    if args.export_ema and args.select_best:
+        raise SystemExit("--export-ema with --select-best: the export holds one of them, the average or the best "
+                         "step's weights; drop one")
+    if args.merge_alphas and not args.dev_queries:
+        raise SystemExit("--merge-alphas: the alpha is chosen on the dev split: give --dev-queries" +
+                         (" and --dev-biencoder" if getattr(args, "rerank_max_length", None) else ""))
     if getattr(args, "rerank_max_length", None):  # the reranker's head is known now (the bi-encoder's: from its dir)
         head_flags(args, args.head)
     if not args.lora_rank:
@@ -681,9 +711,10 @@ def head_flags(args, head, whose="this run's"):
     own = module.FLAGS
     for name in heads.MODULES:
         for dest in heads.get(name).FLAGS if name != head else ():
-            value = getattr(args, dest, None)
-            if dest not in own and value is not None and value is not False:
-                takes = [n for n in heads.MODULES if dest in heads.get(n).FLAGS]
+            value, default = getattr(args, dest, None), heads.get(name).FLAGS[dest]
+            if dest not in own and value is not None and not (value is False and default is False):  # (a switch off)
+                takes = [n for n in heads.MODULES if dest in heads.get(n).FLAGS]  # (of this family, where one does)
+                takes = [n for n in takes if n in heads.family(head)] or takes
                 raise SystemExit(f"--{dest.replace('_', '-')}: only with --head {' or '.join(takes)}; {whose} head is "
                                  f"{head}: drop the flag")
     for dest, default in {**own, "head": head, "temperature": getattr(module, "TEMPERATURE", None)}.items():

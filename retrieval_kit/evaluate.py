@@ -56,19 +56,20 @@ def load_beir(beir_dir, split="test"):
     return ids, texts, queries, qrels
 
 
-def biencoder_settings(spec, flags):
+def biencoder_settings(spec, flags, training=False):
     """Pooling, normalization, prefixes, max lengths and the head (with its own settings): explicit flags
     (not None), else the export's retrieval_kit.json, else the dir's sentence-transformers files (`spec`:
     st_format.read_spec), else the kit's defaults (a decoder's pooling: last, the token that has read the
     whole text); prints what it read from sentence-transformers files. A reranker export, or a dir whose
-    own head is not the one asked for (heads.check_dir), is one sentence."""
+    own head is not the one asked for (heads.check_dir), is one sentence. `training`: an export's queries
+    at the length it was trained at (train_query_max_length), not the one it is served at."""
     defaults = {**KIT_DEFAULTS, "pooling": "last"} if decoder_dir(spec.path) else KIT_DEFAULTS
     head = resolve_head(spec, flags, defaults)
     if spec.kit.get("kind") == "reranker" or head not in heads.EMBEDDING:  # a classification head embeds nothing
         raise SystemExit(f"{spec.path}: a reranker export (its retrieval_kit.json), not a bi-encoder: pass a dir "
                          "train_biencoder.py exported (or any embedding model) where a bi-encoder is asked for")
     heads.check_dir(spec, head)
-    settings, read = resolve_biencoder_settings(spec, flags, defaults, heads.get(head).SETTINGS)
+    settings, read = resolve_biencoder_settings(spec, flags, defaults, heads.get(head).SETTINGS, training)
     if read:
         dist.print0(read)
     return settings
@@ -141,6 +142,7 @@ def beir_metrics(model, tokenizer, settings, beir, k=100, batch_size=64, device=
     embedding, "{name}_dim{d}" for each Matryoshka size in `dims` below it; `progress`: encoding
     progress bars (rank 0)."""
     sizes = [None] + [d for d in dims if d is not None]
+    settings = {**settings, **heads.get(settings["head"]).serving(settings)}  # queries read as the export will
     stats = {}
     runs = retrieve_dims(model, tokenizer, settings, beir, sizes, k, batch_size, device, progress, stats)
     out = {name if d is None else f"{name}_dim{d}": retrieval_metrics(run, beir[3]) for d, run in runs.items()}

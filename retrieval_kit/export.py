@@ -36,7 +36,7 @@ from .dist import barrier, rank, unwrap
 from .flags import writing
 from .outputs import publish, stage as make_stage, staging
 from .lora import merged_state_dict, widest_dtype, write_adapter
-from .st_format import KIT_DEFAULTS, SETTINGS_FILE, edit_json, load_settings, write_chat_template
+from .st_format import KIT_DEFAULTS, SETTINGS_FILE, edit_json, write_chat_template
 PROBES = [("how do i list files", "ls lists directory contents " * 200), ("q", "p"),
           ("a fast compressor for data", "zstd is a fast lossless compression algorithm")]
 
@@ -82,7 +82,8 @@ def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None):
         if lora:  # config.json names the first param's dtype; the merged weights are all in the widest
             edit_json(os.path.join(stage, "config.json"), lambda c: c.update(dtype=dtype))
         tokenizer.save_pretrained(stage)
-        if embedding:
+        if embedding:  # (inference's lengths where training's differ: one vector reads a query whole)
+            settings = {**settings, **head.serving(settings)}
             settings = {**settings, "sentence_transformers": head.write_export(stage, unwrap(model), settings,
                                                                                head_weights, out_dir)}
         with open(os.path.join(stage, SETTINGS_FILE), "w") as f:

@@ -173,13 +173,13 @@ class StepSums:
         self.tokens += sum(c.n_tokens for c in inputs.values() if isinstance(c, Chunked))
 
 
-def finish_step(model, optimizer, scheduler, state, sums, stop_requested, max_grad_norm, max_bad_steps):
+def finish_step(model, optimizer, scheduler, state, sums, stop_requested, max_grad_norm, max_bad_steps, ema=None):
     """Clip -> reduce the step's sums and the stop flag over ranks -> one host read -> optimizer and
     scheduler step (or skip, on every rank, when the global grad norm is not finite) -> scalars.
 
     The read of one small vector (grad norm, mean loss, accuracy, tokens, stop flag) is the step's
     only device-to-host sync: the skip decision needs the norm, and every rank must see a stop
-    signal within the step."""
+    signal within the step. `ema` (--ema-decay): updated after a step that was taken."""
     norm = dist.clip_grad_norm(model, max_grad_norm if max_grad_norm > 0 else float("inf"),
                                use_buckets=getattr(model, "gradient_as_bucket_view", False))  # DDP's flag
     device, accum = sums.loss.device, sums.micro_batches
@@ -193,6 +193,8 @@ def finish_step(model, optimizer, scheduler, state, sums, stop_requested, max_gr
     state.bad_in_a_row = optim.step_if_finite(optimizer, scheduler, grad_norm, state.bad_in_a_row, max_bad_steps,
                                               state.step + 1)
     state.skipped += state.bad_in_a_row > 0  # a non-finite step on any rank is skipped on all of them
+    if ema is not None and state.bad_in_a_row == 0:
+        ema.update()
     state.step += 1
     state.stopping = stop > 0  # any rank signalled: all stop after this step
     if math.isfinite(loss):
@@ -267,13 +269,18 @@ def reranker_group_scores(model, queries, groups, *, collate, device, autocast_d
     return logits.float().view(len(queries), -1), listwise_loss(logits, len(groups[0]))
 
 
-def final_weights(model, run_dir, state, wrapped=None):
+def final_weights(model, run_dir, state, wrapped=None, ema=None):
     """Before the export: a run that trained nothing - every one of its steps skipped as non-finite - ends
     with one sentence and a non-zero exit, not an untrained export; with --select-best, the best validated
-    step's weights into `model` (ckpt.load_best). Returns the selection (None without --select-best)."""
+    step's weights into `model` (ckpt.load_best); with `ema` (--export-ema), the average's. Returns what
+    the export holds ({"ema": decay}, the --select-best selection, or None)."""
     if state.step and state.skipped >= state.step:
         raise SystemExit(f"every one of the run's {state.step} steps was skipped: its loss or gradients were not "
                          f"finite; nothing was trained, so nothing is exported (lower --lr, check the data)")
+    if ema is not None:
+        ema.copy_to_model()
+        dist.print0(f"--export-ema: the export holds the average of the trained weights (decay {ema.decay:g})")
+        return {"ema": ema.decay}
     return ckpt.load_best(model, run_dir, state.best, state.step, wrapped)
 
 

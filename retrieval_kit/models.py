@@ -160,13 +160,17 @@ def load_auto(auto_class, path, dtype=torch.float32, trust_remote_code=False, at
               attention_dropout=None, fast_dropout=False, **config_kw):
     """`auto_class`.from_pretrained(path) in `dtype` (or built on the meta device: on_meta), one sentence
     if it cannot load; a config that pins another dtype is cast to `dtype` (the resolved storage dtype wins);
-    `attention_dropout` (not None): set_attention_dropout; `fast_dropout`: dropout.apply_fast_dropout."""
+    `attention_dropout` (not None): set_attention_dropout; `fast_dropout`: dropout.apply_fast_dropout.
+    `model.fresh_keys`: the weights the dir did not hold (a fresh head), as transformers reports them."""
     with loading(path, "model"):
         if meta:
             model = on_meta(auto_class, path, dtype, trust_remote_code, attn_implementation, **config_kw)
+            model.fresh_keys = []
         else:
-            model = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                               **attn_kwargs(attn_implementation), **config_kw)
+            model, info = auto_class.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                     output_loading_info=True, **attn_kwargs(attn_implementation),
+                                                     **config_kw)
+            model.fresh_keys = sorted(info.get("missing_keys") or [])
     if dtype is not None and any(p.dtype != dtype for p in model.parameters()):
         model.to(dtype)
     if attention_dropout is not None:

@@ -25,10 +25,11 @@ def local_numel(shape, world_size=1, parallel="ddp"):
     return -(-shape[0] // world_size) * (n // shape[0])
 
 
-def memory_plan(model, world_size=1, parallel="ddp"):
-    """{"parallel", "world_size", "params": {dtype: bytes}, "grads", "optimizer", "total"}: bytes on
-    rank 0 for `model` (its trained parameters: requires_grad) under `parallel` over `world_size`."""
-    params, grads, optimizer = Counter(), 0, 0
+def memory_plan(model, world_size=1, parallel="ddp", ema=False):
+    """{"parallel", "world_size", "params": {dtype: bytes}, "grads", "optimizer", "ema", "total"}: bytes on
+    rank 0 for `model` (its trained parameters: requires_grad) under `parallel` over `world_size`; `ema`
+    (--ema-decay): a copy of the trained parameters, sharded like them."""
+    params, grads, optimizer, average = Counter(), 0, 0, 0
     for p in model.parameters():  # a tied weight once
         n = local_numel(tuple(p.shape), world_size, parallel)
         size = n * p.element_size()
@@ -36,17 +37,19 @@ def memory_plan(model, world_size=1, parallel="ddp"):
         if p.requires_grad:
             grads += size
             optimizer += 2 * size + STEP_BYTES
-    total = sum(params.values()) + grads + optimizer
+            average += size if ema else 0
+    total = sum(params.values()) + grads + optimizer + average
     return {"parallel": parallel, "world_size": world_size, "params": dict(params), "grads": grads,
-            "optimizer": optimizer, "total": total}
+            "optimizer": optimizer, "ema": average, "total": total}
 
 
 def describe(plan):
     """One line: what the plan says each rank holds."""
     gib = lambda b: f"{b / 2 ** 30:.2f} GiB" if b >= 2 ** 30 else f"{b / 2 ** 20:.1f} MiB"  # noqa: E731
     params = ", ".join(f"{gib(b)} {dtype}" for dtype, b in plan["params"].items())
+    ema = f"; EMA {gib(plan['ema'])}" if plan.get("ema") else ""
     return (f"memory per rank ({plan['parallel']}, world {plan['world_size']}): params {params}; grads "
-            f"{gib(plan['grads'])}; AdamW state {gib(plan['optimizer'])}; total {gib(plan['total'])} before "
+            f"{gib(plan['grads'])}; AdamW state {gib(plan['optimizer'])}{ema}; total {gib(plan['total'])} before "
             "activations")
 
 
@@ -86,6 +89,7 @@ def main(argv=None):
                     help="storage dtype of params and AdamW state, as in the scripts (default auto = fp32)")
     ap.add_argument("--force-fp32-params", action="store_true",
                     help="as in the scripts: fp32 params; with --lora-rank, what is trained in fp32")
+    ap.add_argument("--ema", action="store_true", help="count --ema-decay's average of the trained weights")
     g = ap.add_argument_group("LoRA")
     for name in ("--lora-rank", "--lora-targets"):  # the scripts' flags, with their help
         action = next(x for x in cli.biencoder_parser()._actions if name in x.option_strings)
@@ -101,7 +105,7 @@ def main(argv=None):
               f"for {model.config.model_type} ({', '.join(f'{k} {v}' for k, v in assumed.items())})")
     lora.apply_each([model], a.lora_rank, train=head.lora_trained, alpha=1.0,
                     targets=tuple(a.lora_targets), dtype=trained_dtype(storage, a.force_fp32_params))
-    print(describe(memory_plan(model, a.world_size, a.parallel)))
+    print(describe(memory_plan(model, a.world_size, a.parallel, a.ema)))
     note = head.memory_note(model)  # multi-vector, sparse: what the plan leaves out
     if note:
         print(note)

@@ -497,6 +497,7 @@ KIT_FIELDS = {  # what the kit reads of a retrieval_kit.json: (check, what it mu
     "query_max_length": (_is_length, "a positive whole number of tokens"),
     "passage_max_length": (_is_length, "a positive whole number of tokens"),
     "rerank_max_length": (_is_length, "a positive whole number of tokens"),
+    "train_query_max_length": (_is_length, "a positive whole number of tokens"),
     "multi_vector_dim": (_is_length, "a positive whole number"),
     "skiplist_words": (_is_words, "a list of non-empty strings"),
     "query_expansion": (lambda v: v is False or v is None or (isinstance(v, dict) and isinstance(v.get("token") or "", str)),
@@ -632,12 +633,16 @@ def resolve_head(spec, flags, defaults=KIT_DEFAULTS):
     return next(v["head"] for v in (flags, spec.kit, spec.st, defaults, KIT_DEFAULTS) if v.get("head") is not None)
 
 
-def resolve_biencoder_settings(spec, flags, defaults=KIT_DEFAULTS, head_settings=None):
+def resolve_biencoder_settings(spec, flags, defaults=KIT_DEFAULTS, head_settings=None, training=False):
     """(settings, message): each of SETTING_KEYS from the explicit flag (not None), else the kit's
     retrieval_kit.json, else the dir's sentence-transformers files (its spec: read_spec), else
     `defaults`; then the head's own settings (`head_settings`, {key: default}: its SETTINGS) in the same
-    order. `message` says what was read from the sentence-transformers files (None when nothing was)."""
+    order. `message` says what was read from the sentence-transformers files (None when nothing was).
+    `training`: an export's query length is the one it trained at (train_query_max_length), not the one
+    inference reads (query_max_length)."""
     model_dir, kit, st = spec.path, spec.kit, spec.st
+    if training and "train_query_max_length" in kit:
+        kit = {**kit, "query_max_length": kit["train_query_max_length"]}
     out, from_st = {}, {}
     for k in SETTING_KEYS:
         if flags.get(k) is not None:

@@ -53,10 +53,27 @@ def test_export_embeds_the_same_in_sentence_transformers(tiny_model_dir, tmp_pat
         assert (torch.as_tensor(st.encode(QUERIES, convert_to_tensor=True)) - st_q).abs().max() > 1e-4  # vs 1e-5 above
 
 
-def test_a_query_max_length_sentence_transformers_cannot_hold_is_named(tiny_model_dir, tmp_path):
+def test_an_export_reads_queries_whole_as_sentence_transformers_does(tiny_model_dir, tmp_path):
+    """Issue 52: trained at 8 query tokens, served at the export's one max length (24, the passages'), as
+    SentenceTransformer(export) reads them; the training length is kept (train_query_max_length)."""
+    from sentence_transformers import SentenceTransformer
+
+    from retrieval_kit.evaluate import load_biencoder
+
     enc, tok, s, out = export_tiny(tiny_model_dir, tmp_path / "e", query_max_length=8)
-    warnings = load_settings(out)["sentence_transformers"]["warnings"]
-    assert len(warnings) == 1 and "--query-max-length 24" in warnings[0]
+    saved = load_settings(out)
+    assert saved["query_max_length"] == 24 and saved["train_query_max_length"] == 8
+    assert saved["sentence_transformers"]["warnings"] == []
+    model, tok2, settings, head = load_biencoder(out)
+    long = ["a manager for python packages and their caches, with a command line client"]  # 16 tokens
+    assert len(tok(long[0])["input_ids"]) > 8
+    kit = encode_texts(model, tok2, long, settings["query_max_length"], settings["query_prefix"], name="q")
+    theirs = torch.as_tensor(SentenceTransformer(out, device="cpu").encode_query(long, convert_to_tensor=True))
+    assert (kit - theirs).abs().max() < 1e-5
+    cut = encode_texts(model, tok2, long, 8, settings["query_prefix"], name="q")  # what the export served before
+    assert (cut - theirs).abs().max() > 1e-3
+    assert biencoder_settings(read_spec(out), {}, training=True)["query_max_length"] == 8  # a run on it trains at 8
+    assert biencoder_settings(read_spec(out), {"query_max_length": 12})["query_max_length"] == 12  # a flag wins
 
 
 def test_the_real_minilm_dir_is_read():
@@ -88,7 +105,8 @@ def test_training_reads_a_sentence_transformers_dir_and_flags_win(st_dir, small_
     want = {"pooling": "cls", "normalize": True, "query_prefix": "query: ", "passage_prefix": "passage: ",
             "query_max_length": 40, "passage_max_length": 32, "include_prompt": True}
     assert {k: header["settings"][k] for k in want} == want and header["settings"]["decoder"] is False
-    assert {k: load_settings(str(out / "final"))[k] for k in want} == want  # the export carries them through
+    served = {**want, "query_max_length": 32, "train_query_max_length": 40}  # queries read as ST reads them (issue 52)
+    assert {k: load_settings(str(out / "final"))[k] for k in served} == served  # the export carries them through
     st = SentenceTransformer(str(out / "final"), device="cpu")
     assert st.prompts["query"] == "query: " and st.prompts["document"] == "passage: "
     assert st[1].get_config_dict()["pooling_mode"] in ("cls", ["cls"]) and st.get_max_seq_length() == 32
@@ -231,3 +249,24 @@ def test_a_run_on_an_include_prompt_false_dir_exports_it_and_embeds_as_sentence_
     texts = ["a tool for the command line", "python"]
     got = encode_texts(model, tok, texts, 32, settings["query_prefix"], 8)
     assert (got - torch.tensor(st.encode(texts, prompt_name="query"))).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+def test_a_fine_tuned_export_embeds_a_long_query_as_sentence_transformers_by_default(tiny_model_dir, small_train_file,
+                                                                                  tmp_path):
+    """Issue 52, done: trained with 8-token queries, the export's query embedding in the kit's tools (evaluate's
+    load_biencoder, at its default length) equals SentenceTransformer(final).encode_query for a 16-token query."""
+    from sentence_transformers import SentenceTransformer
+
+    from retrieval_kit.evaluate import load_biencoder
+
+    run_script("train_biencoder.py", ["--model", tiny_model_dir, "--train-file", small_train_file, "--val-file", "",
+                                      "--max-steps", 2, "--batch-size", 4, "--query-max-length", 8,
+                                      "--passage-max-length", 32, "--lr", 1e-3, "--output-dir", tmp_path])
+    final = str(tmp_path / "final")
+    model, tok, settings, _ = load_biencoder(final)
+    assert settings["query_max_length"] == 32 and load_settings(final)["train_query_max_length"] == 8
+    long = ["how do i list the files of a directory sorted by their size on the command line"]
+    kit = encode_texts(model, tok, long, settings["query_max_length"], settings["query_prefix"], name="q")
+    theirs = torch.as_tensor(SentenceTransformer(final, device="cpu").encode_query(long, convert_to_tensor=True))
+    assert len(tok(long[0])["input_ids"]) > 8 and (kit - theirs).abs().max() < 1e-5

@@ -22,6 +22,8 @@ Embedding heads (train_biencoder.py; the step runs `head.embedder(...)`, scored 
                                  untied vocabulary head), [] for none
   embedding_size(model)          the size of its vectors (a token's, for multi-vector)
   prepare(tokenizer, model, settings)   the tokenizer made ready for the head; returns settings to record
+  serving(settings)              the settings inference reads where training's differ (one vector: queries
+                                 up to the passages' max length, as sentence-transformers reads them)
   embedder(model, settings, multiple)   the module the step runs: model(q=batch, p=batch) -> {"q", "p"}
                                  reps; a batch is a tokenized dict or a chunking.Chunked
   sides(tokenizer, settings)     how each side is tokenized beyond the prefix ({"q", "p"}: collate.MaxSimSide or None)

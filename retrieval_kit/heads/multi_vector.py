@@ -101,6 +101,10 @@ class LateInteraction(torch.nn.Module):
         return {name: self.embed(b, self.widths.get(name)) for name, b in batches.items()}
 
 
+def serving(settings):
+    return {}  # (its sentence-transformers files keep per-task lengths: queries are read at the trained length)
+
+
 def embedder(model, settings, multiple=None):
     """LateInteraction padded to the max lengths as collate pads them, so chunks and ranks concatenate."""
     widths = {"q": settings["query_max_length"], "p": settings["passage_max_length"]}

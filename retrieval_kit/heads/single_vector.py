@@ -107,6 +107,15 @@ class BiEncoder(torch.nn.Module):
         return {name: self.embed(b) for name, b in batches.items()}
 
 
+def serving(settings):
+    """The lengths inference reads, where training's differ: sentence-transformers has one max length (the
+    passages', written as max_seq_length) and reads queries up to it; so do the kit's tools (evaluate, mine,
+    score, --eval-beir and the dev split), so that the export embeds a long query alike in both. The
+    training query length is kept as train_query_max_length (a further run on the export trains at it)."""
+    return {"query_max_length": settings["passage_max_length"],
+            "train_query_max_length": settings.get("train_query_max_length", settings["query_max_length"])}
+
+
 def embedder(model, settings, multiple=None):
     return BiEncoder(model, settings["pooling"], settings["normalize"])
 

@@ -114,6 +114,10 @@ class Splade(torch.nn.Module):
                 else sparse_vectors(self.encoder, x) for name, x in batches.items()}
 
 
+def serving(settings):
+    return {}  # (its sentence-transformers files keep per-task lengths: queries are read at the trained length)
+
+
 def embedder(model, settings, multiple=None):
     return Splade(model)
 

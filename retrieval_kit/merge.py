@@ -1,0 +1,291 @@
+"""Weight averaging of exported models, and the weight chosen on a dev split.
+
+    python -m retrieval_kit.merge --base BASE --tuned runs/biencoder/final --alpha 0.6 --out merged
+    python -m retrieval_kit.merge --base BASE --tuned runs/biencoder/final --alpha 0.2,0.4,0.6,0.8,1.0 \\
+        --dev-beir DEV --out merged           # the smallest alpha within --tolerance of the best, on DEV
+    python -m retrieval_kit.merge --models run1/final,run2/final,run3/final [--weights 2,1,1] --out soup
+    python -m retrieval_kit.merge --models a/final,b/final --slerp 0.5 --out merged
+
+Interpolation with the base (WiSE-FT, Wortsman et al. 2022; FlagEmbedding's LM-Cocktail mixes models the
+same way, Xiao et al. 2023): theta = (1 - alpha) * theta_base + alpha * theta_tuned, tensor by tensor;
+alpha 0 is the base, 1 the tuned model. A soup (model soups, Wortsman et al. 2022): the weighted mean of N
+models of one kind. Spherical interpolation of two models (as Qwen3-Embedding merges checkpoints): each
+tensor along the great circle between the two, by its angle (linear where they are nearly parallel).
+
+The models are exports of the kit (or any dir it reads) of one architecture: bi-encoders of any head,
+rerankers (LoRA runs are exported merged, so they merge as plain weights). What the base has no
+counterpart for - a fresh projection, classifier or MLM head: parameters its dir does not hold, found by
+loading it twice under different seeds - is kept from the tuned model. The result is a complete export of
+the tuned model's kind (sentence-transformers files, reranker files) with `merge` in its retrieval_kit.json:
+the formula, the models, and with a dev split every candidate's scores. Differing kinds or shapes are one
+sentence.
+
+With a dev split (`--dev-beir`, or a training run's --dev-queries with --merge-alphas) each alpha is scored
+and the smallest one whose dev nDCG@10 is within --tolerance (0.005 = 0.5 points) of the best is kept: the
+model closest to the base that gives up almost nothing in domain. Reported sets (`--report-beir`, a run's
+--eval-beir) are scored for every candidate and never used to choose.
+"""
+
+import argparse
+import math
+import os
+
+import torch
+
+from . import dist, flags, heads, outputs
+from .st_format import SETTINGS_FILE, read_spec
+
+
+# ----- the maths ------------------------------------------------------------------------------------
+
+def interpolate(base, tuned, alpha):
+    """{name: (1 - alpha) * base + alpha * tuned} for the tensors `base` holds, `tuned`'s own elsewhere
+    (computed in fp32, returned in the tuned tensor's dtype)."""
+    return {k: ((1.0 - alpha) * base[k].float() + alpha * t.float()).to(t.dtype) if k in base else t.clone()
+            for k, t in tuned.items()}
+
+
+def soup(states, weights=None):
+    """The weighted mean of the states (same names and shapes), weights normalized to sum 1."""
+    weights = [1.0] * len(states) if weights is None else list(weights)
+    total = sum(weights)
+    return {k: sum((w / total) * s[k].float() for s, w in zip(states, weights)).to(t.dtype)
+            for k, t in states[0].items()}
+
+
+def slerp(a, b, t, eps=1e-4):
+    """Spherical interpolation of two states at t (0 = a, 1 = b), tensor by tensor: the angle between the
+    flattened tensors, each moved along the great circle and scaled by its interpolated norm; linear where
+    the angle is below eps."""
+    out = {}
+    for k, x in a.items():
+        u, v = x.float().flatten(), b[k].float().flatten()
+        nu, nv = u.norm(), v.norm()
+        cos = (u @ v / (nu * nv).clamp_min(1e-12)).clamp(-1.0, 1.0)
+        angle = float(torch.arccos(cos))
+        if angle < eps or nu == 0 or nv == 0:
+            mixed = (1.0 - t) * u + t * v
+        else:
+            s = math.sin(angle)
+            dirs = (math.sin((1 - t) * angle) / s) * (u / nu) + (math.sin(t * angle) / s) * (v / nv)
+            mixed = dirs * ((1 - t) * nu + t * nv)
+        out[k] = mixed.view_as(x).to(x.dtype)
+    return out
+
+
+# ----- models -------------------------------------------------------------------------------------
+
+def load(path, dim=None, seed=0, like=None):
+    """(the raw model with its head, tokenizer, settings, head module) of a dir: an export of the kit, or
+    any dir the kit reads as the head `like` (a base: a plain or sentence-transformers dir)."""
+    from .evaluate import biencoder_settings
+    from .export import load_exported_reranker
+    from .models import load_tokenizer
+
+    spec = read_spec(path)
+    name = like or spec.head or heads.SINGLE_VECTOR
+    if like is not None:
+        heads.check_dir(spec, like)  # (differing kinds: one sentence naming both)
+    if name in heads.RERANKER:
+        if spec.kit.get("kind") == "reranker":
+            model, tok, settings = load_exported_reranker(path)
+            return model.model, tok, settings, heads.get(name)
+        return heads.get(name).load(path), load_tokenizer(path), {}, heads.get(name)
+    settings = biencoder_settings(spec, {"head": name})
+    head = heads.get(name)
+    model = head.load(path, spec=spec, dim=dim or settings.get("multi_vector_dim"), seed=seed)
+    return model, load_tokenizer(path, markers=spec.markers), {**spec.kit, **settings}, head
+
+
+def base_state(path, like, dim=None):
+    """The base's parameters that its dir holds, under the tuned model's names: what transformers reports
+    it did not find (model.fresh_keys) is left out, and so is what differs between two loads under
+    different seeds (a head the kit adds fresh: a projection)."""
+    torch.manual_seed(0)
+    first = load(path, dim, seed=0, like=like)[0]
+    torch.manual_seed(1)
+    two = load(path, dim, seed=1, like=like)[0].state_dict()
+    fresh = set(getattr(first, "fresh_keys", []))
+    return {k: v for k, v in first.state_dict().items() if k not in fresh and torch.equal(v, two[k])}
+
+
+def check_shapes(states, names):
+    """One sentence when the states do not share their names' shapes (another architecture or size)."""
+    ref = states[0]
+    for s, name in zip(states[1:], names[1:]):
+        odd = [k for k in ref if k in s and tuple(s[k].shape) != tuple(ref[k].shape)]
+        if odd:
+            raise SystemExit(f"{name}: {odd[0]} is {tuple(s[odd[0]].shape)}, {names[0]}'s is {tuple(ref[odd[0]].shape)}: "
+                             "the models are not of one architecture and size")
+
+
+def write(out, model, tokenizer, settings, head, record):
+    """`model` (its merged weights loaded) exported to `out` as the tuned model's kind, `record` in its
+    retrieval_kit.json's "merge"."""
+    from .export import export_model, export_reranker
+
+    settings = {k: v for k, v in settings.items() if k not in ("lora", "sentence_transformers", "merge")}
+    settings["merge"] = record
+    if settings.get("kind") == "reranker":
+        return export_reranker(out, model, tokenizer, settings)
+    return export_model(out, model, tokenizer, {**settings, "kind": "biencoder", "head": head.NAME})
+
+
+# ----- the weight chosen on dev --------------------------------------------------------------------
+
+def choose(candidates, score, tolerance=0.005, metric=("dev", "ndcg@10")):
+    """Score each (alpha, state-loading function) of `candidates` (score() -> {split: metrics} after the
+    state is loaded) and keep the smallest alpha within `tolerance` of the best `metric`. Returns (chosen
+    alpha, [{"alpha", split: metrics}, ...])."""
+    rows = []
+    for alpha, apply in sorted(candidates, key=lambda c: c[0]):
+        apply()
+        rows.append({"alpha": alpha, **score()})
+    best = max(r[metric[0]][metric[1]] for r in rows)
+    chosen = next(r["alpha"] for r in rows if r[metric[0]][metric[1]] >= best - tolerance)
+    return chosen, rows
+
+
+def describe(chosen, rows, metric=("dev", "ndcg@10")):
+    lines = [f"merge with the base, chosen on {metric[0]}/{metric[1]}: alpha {chosen:g} (the smallest within the "
+             "tolerance of the best)"]
+    for r in rows:
+        lines.append(f"  alpha {r['alpha']:g}: " + ", ".join(f"{s}/{metric[1]} {m[metric[1]]:.4f}" for s, m in r.items()
+                                                              if s != "alpha" and metric[1] in m))
+    return "\n".join(lines)
+
+
+def dev_merge(final, base_dir, alphas, tolerance, score, device="cpu"):
+    """A run's --merge-alphas, after its export: each alpha's merge of `final` with the run's base scored by
+    `score(model, tokenizer, settings)` -> {split: metrics} (the dev split first; --eval-beir reported);
+    `final` rewritten as the chosen merge, the choice and every candidate's scores recorded there.
+    Every rank takes part (the scoring is sharded like evaluation's). Returns the record."""
+    model, tok, settings, head = load(final)
+    tuned = {k: v.clone() for k, v in model.state_dict().items()}
+    base = base_state(base_dir, head.NAME, settings.get("multi_vector_dim"))
+    check_shapes([tuned, base], [final, base_dir])
+    model.to(device)
+
+    def candidate(alpha):
+        return alpha, lambda: model.load_state_dict(interpolate(base, tuned, alpha))
+    chosen, rows = choose([candidate(a) for a in alphas], lambda: score(model, tok, settings), tolerance)
+    dist.print0(describe(chosen, rows))
+    model.to("cpu").load_state_dict(interpolate(base, tuned, chosen))
+    record = {"formula": "(1 - alpha) * base + alpha * tuned", "base": base_dir, "alpha": chosen,
+              "chosen_on": "dev/ndcg@10", "tolerance": tolerance, "candidates": rows}
+    write(final, model, tok, settings, head, record)  # (collective: rank 0 writes, staged, over the run's own export)
+    return record
+
+
+# ----- the tool -------------------------------------------------------------------------------------
+
+def main(argv=None):
+    from . import cli
+
+    ap = cli.KitParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tuned", default=None, help="the fine-tuned export (with --base)")
+    ap.add_argument("--base", default=None, help="the model it was tuned from: alpha 0")
+    ap.add_argument("--alpha", type=flags.listed(flags.fraction), default=None,
+                    help="weight of the tuned model, 0 to 1; several (0.2,0.4,...,1.0) with --dev-beir choose one")
+    ap.add_argument("--models", type=flags.listed(str), default=None, help="exports to average (a soup), or two to "
+                    "interpolate spherically (--slerp)")
+    ap.add_argument("--weights", type=flags.listed(flags.positive_float), default=None,
+                    help="one weight per --models entry (default equal)")
+    ap.add_argument("--slerp", type=flags.fraction, default=None, help="spherical interpolation of two --models at t")
+    ap.add_argument("--dev-beir", default=None, help="BEIR folder the alpha is chosen on (nDCG@10)")
+    ap.add_argument("--report-beir", action=flags.Repeatable, default=[], help="BEIR folder scored for every "
+                    "candidate, never used to choose (repeatable)")
+    ap.add_argument("--biencoder", default=None, help="rerankers: the bi-encoder export whose top 10 of --dev-beir "
+                    "the candidates rerank")
+    ap.add_argument("--tolerance", type=flags.fraction, default=0.005,
+                    help="keep the smallest alpha within this of the best dev nDCG@10 (default 0.005, 0.5 points)")
+    ap.add_argument("--out", required=True, help="the merged export to write (a new or empty folder, or an earlier "
+                    "merge)")
+    a = ap.parse_args(argv)
+    pair, many = a.tuned is not None or a.base is not None, a.models is not None
+    if pair == many or (pair and (a.tuned is None or a.base is None or a.alpha is None)):
+        ap.error("give --base, --tuned and --alpha, or --models (with --weights or --slerp)")
+    if len(a.alpha or []) > 1 and not a.dev_beir:
+        ap.error(f"--alpha {','.join(map(str, a.alpha))}: several weights are chosen among on a dev set: give --dev-beir")
+    if a.slerp is not None and len(a.models or []) != 2:
+        ap.error("--slerp interpolates two --models")
+    if a.weights is not None and len(a.weights) != len(a.models or []):
+        ap.error(f"--weights: {len(a.weights)} for {len(a.models or [])} --models")
+    ins = [("--tuned", a.tuned), ("--base", a.base), *[("--models", m) for m in a.models or []],
+           ("--dev-beir", a.dev_beir), ("--biencoder", a.biencoder), *[("--report-beir", r) for r in a.report_beir]]
+    for flag, path in ins:
+        if path and not os.path.isdir(path):
+            ap.error(f"{flag} {path}: no such folder")
+    outputs.check_dir("--out", a.out, SETTINGS_FILE, ins)
+    ctx = dist.init()
+
+    if pair:
+        model, tok, settings, head = load(a.tuned)
+        tuned = {k: v.clone() for k, v in model.state_dict().items()}
+        base = base_state(a.base, head.NAME, settings.get("multi_vector_dim"))
+        check_shapes([tuned, base], [a.tuned, a.base])
+        kept = sorted(k for k in tuned if k not in base)
+        record = {"formula": "(1 - alpha) * base + alpha * tuned", "base": a.base, "tuned": a.tuned,
+                  "kept_from_tuned": kept}
+        if len(a.alpha) > 1:
+            scorer = scoring(settings, head, a.dev_beir, a.report_beir, a.biencoder, ctx.device)
+            model.to(ctx.device)
+            chosen, rows = choose([(x, lambda x=x: model.load_state_dict(interpolate(base, tuned, x))) for x in a.alpha],
+                                  lambda: scorer(model, tok, settings), a.tolerance)
+            dist.print0(describe(chosen, rows))
+            record.update(alpha=chosen, chosen_on=f"{a.dev_beir} ndcg@10", tolerance=a.tolerance, candidates=rows)
+            model.to("cpu")
+        else:
+            record["alpha"] = a.alpha[0]
+        model.load_state_dict(interpolate(base, tuned, record["alpha"]))
+    else:
+        loaded = [load(m) for m in a.models]
+        kinds = {x[3].NAME for x in loaded}
+        if len(kinds) > 1:
+            raise SystemExit(f"--models: {', '.join(f'{m} ({x[3].NAME})' for m, x in zip(a.models, loaded))}: models of "
+                             "one kind are averaged")
+        states = [x[0].state_dict() for x in loaded]
+        if any(set(s) != set(states[0]) for s in states):
+            raise SystemExit(f"--models: {a.models[0]} and {a.models[1]} hold other parameters: models of one kind and "
+                             "architecture are averaged")
+        check_shapes(states, a.models)
+        model, tok, settings, head = loaded[0]
+        if a.slerp is not None:
+            model.load_state_dict(slerp(states[0], states[1], a.slerp))
+            record = {"formula": "slerp(a, b, t)", "models": a.models, "t": a.slerp}
+        else:
+            model.load_state_dict(soup(states, a.weights))
+            record = {"formula": "weighted mean", "models": a.models, "weights": a.weights or [1.0] * len(a.models)}
+    write(a.out, model, tok, settings, head, record)  # (collective: rank 0 writes)
+    dist.print0(f"wrote the merge to {a.out}")
+    dist.cleanup()
+
+
+def scoring(settings, head, dev_beir, report_beir, biencoder, device):
+    """score(model, tokenizer, settings) -> {"dev": metrics, report dir: metrics}: a bi-encoder's retrieval
+    nDCG@10 on each set; a reranker's, reranking `biencoder`'s top 10 alone."""
+    from .evaluate import load_beir, load_biencoder, rerank, retrieve
+    from .metrics import retrieval_metrics
+
+    sets = {"dev": load_beir(dev_beir), **{r: load_beir(r) for r in report_beir}}
+    if settings.get("kind") != "reranker":
+        def score(model, tok, s):
+            embedder = head.embedder(model, s).eval()
+            return {k: retrieval_metrics(retrieve(embedder, tok, s, b, device=device), b[3]) for k, b in sets.items()}
+        return score
+    if not biencoder:
+        raise SystemExit("--dev-beir with a reranker: give --biencoder, the export whose top 10 it reranks")
+    enc, etok, es, _ = load_biencoder(biencoder, device=device)
+    runs = {k: retrieve(enc, etok, es, b, device=device) for k, b in sets.items()}
+
+    def score(model, tok, s):
+        scorer = head.scorer(model, s.get("pooling", "native"), s.get("lm_token_ids")).eval()
+        return {k: retrieval_metrics(rerank(runs[k], scorer, tok, s, b, 10, device=device, weight=1.0), b[3])
+                for k, b in sets.items()}
+    return score
+
+
+if __name__ == "__main__":
+    from .formats import exit_on_data_error
+
+    exit_on_data_error(main)
