@@ -26,6 +26,7 @@ from retrieval_kit import ckpt, data, dist, lora, loop, optim, precision  # noqa
 from retrieval_kit.records import read_records  # noqa: E402
 from retrieval_kit.chunking import chunk_batch  # noqa: E402
 from retrieval_kit.collate import collate_biencoder, collate_rerank, maxsim_sides  # noqa: E402
+from retrieval_kit.ema import EMA  # noqa: E402
 from retrieval_kit.heads import classifier, multi_vector, single_vector, sparse  # noqa: E402
 from retrieval_kit.heads.single_vector import BiEncoder  # noqa: E402
 from retrieval_kit.losses import contrastive_loss, listwise_loss  # noqa: E402
@@ -58,7 +59,7 @@ def full_grads(module):
 
 
 def bi_step(model, opt, tok, queries, groups, gather, label_offset, max_norm, use_buckets=False, accum=1, grads=None,
-            grad_cache=0):
+            grad_cache=0, ema=None):
     """One optimizer step over `accum` micro-batches of this rank's queries through the scripts'
     forward/backward seam (loop.plain_step, or loop.grad_cache_step with chunks of `grad_cache`
     tokens); returns (mean loss, grad norm)."""
@@ -83,6 +84,8 @@ def bi_step(model, opt, tok, queries, groups, gather, label_offset, max_norm, us
     norm = dist.clip_grad_norm(model, max_norm, use_buckets).item()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    if ema is not None:
+        ema.update()
     return total, norm
 
 
@@ -93,15 +96,19 @@ def bi_model(enc):
 
 
 HEAD, REG = [single_vector], []  # the head under test; sparse: its regularizer, FLOPS at full weight (no warm-up)
+EMAS = []  # the EMA of each run (None without), the last one last
 SETTINGS = {"pooling": "avg", "normalize": True, "query_max_length": 16, "passage_max_length": 32}
 SIDES = {}  # the multi-vector tokenization (collate.maxsim_sides): set for the ColBERT-style checks
 
 
-def reference_bi(enc0, tok, steps, max_norm, accum=1, world=2):
-    """One process, no wrapper: micro-batch m of the global batch = every rank's micro-batch m."""
+def reference_bi(enc0, tok, steps, max_norm, accum=1, world=2, ema=None):
+    """One process, no wrapper: micro-batch m of the global batch = every rank's micro-batch m. `ema`: a
+    decay, an EMA kept (EMAS[-1])."""
     enc = copy.deepcopy(enc0)
     model = bi_model(enc)
     opt = optim.build_optimizer(optim.param_groups(enc, 0.01), LR)
+    average = EMA(enc, ema) if ema else None
+    EMAS.append(average)
     losses, norms, grads = [], [], {}
     for queries, groups in steps:
         per_rank = len(queries) // world
@@ -121,6 +128,8 @@ def reference_bi(enc0, tok, steps, max_norm, accum=1, world=2):
         norms.append(dist.clip_grad_norm(model, max_norm).item())
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if average is not None:
+            average.update()
         losses.append(total)
     return enc, losses, norms, grads
 
@@ -143,7 +152,8 @@ def rank_spread(enc):
     return max((parts[0] - x).abs().max().item() for x in parts)
 
 
-def run_bi(ctx, enc0, tok, steps, wrap, gather=True, max_norm=1.0, use_buckets=False, accum=1, kw=None, grad_cache=0):
+def run_bi(ctx, enc0, tok, steps, wrap, gather=True, max_norm=1.0, use_buckets=False, accum=1, kw=None, grad_cache=0,
+           ema=None):
     enc = copy.deepcopy(enc0)
     model = bi_model(enc)
     if wrap == "ddp":
@@ -151,12 +161,14 @@ def run_bi(ctx, enc0, tok, steps, wrap, gather=True, max_norm=1.0, use_buckets=F
     elif wrap == "fsdp2":
         model = dist.wrap_fsdp2(model, dist.transformer_layers(enc), **(kw or {}))
     opt = optim.build_optimizer(optim.param_groups(enc, 0.01), LR)
+    average = EMA(enc, ema) if ema else None  # (built on the wrapped params: FSDP2's are its shards)
+    EMAS.append(average)
     losses, norms, grads = [], [], {}
     for queries, groups in steps:
         mine = slice(ctx.rank * B, (ctx.rank + 1) * B)
         loss, norm = bi_step(model, opt, tok, queries[mine], groups[mine], gather,
                              lambda per: ctx.rank * per * N, max_norm, use_buckets, accum,
-                             grads=None if grads else grads, grad_cache=grad_cache)
+                             grads=None if grads else grads, grad_cache=grad_cache, ema=average)
         losses.append(dist.reduce_mean({"loss": loss})["loss"])
         norms.append(norm)
     return enc, losses, norms, grads
@@ -227,6 +239,24 @@ def main():
     compare("ddp_grad_cache_accum2", run_bi(ctx, enc0, tok, steps, "ddp", accum=2, grad_cache=24), ref_acc)
     # control: without the gather each rank only sees its own passages - the check must notice
     compare("control_no_gather", run_bi(ctx, enc0, tok, steps, "ddp", gather=False), ref)
+    # --ema-decay (issue 52): the average on 2 ranks (DDP replicas, FSDP2 shards) = one process's; FSDP2's
+    # sharded average saved (gathered) and loaded into another sharded model's average
+    reference_bi(enc0, tok, steps, 1.0, ema=0.5)
+    ref_ema = EMAS[-1].state_dict()
+    for wrap in ("ddp", "fsdp2"):
+        got = run_bi(ctx, enc0, tok, steps, wrap, ema=0.5)
+        state = EMAS[-1].state_dict()  # (collective under FSDP2)
+        results[f"ema_{wrap}_vs_single"] = {"max_diff": max_diff(state, ref_ema), "n": len(state),
+                                            "moved": max_diff(state, {k: v for k, v in enc0.state_dict().items()
+                                                                      if k in state}),
+                                            "sharded": any(hasattr(t, "device_mesh") for t in EMAS[-1].shadow.values())}
+        if wrap == "fsdp2":
+            other = copy.deepcopy(enc0)
+            dist.wrap_fsdp2(bi_model(other), dist.transformer_layers(other))
+            restored = EMA(other, 0.5)
+            restored.load_state_dict(state)
+            results["ema_fsdp2_restored"] = {"max_diff": max_diff(restored.state_dict(), state)}
+        del got
     # --head multi-vector: token vectors (and their masks) gathered with their gradients, MaxSim scores
     HEAD[0] = multi_vector
     mv0 = multi_vector.load(model_dir, dim=8, seed=0).eval()

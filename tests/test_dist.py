@@ -186,3 +186,13 @@ def test_a_run_past_its_timeout_fails_with_every_process_stack():
     message = str(e.value)
     assert "waiting_in_a_named_place" in message and "ready" in message, message[-3000:]
     assert message.count("-c") >= 2, message[:2000]  # both processes were listed
+
+
+def test_the_ema_on_two_ranks_equals_one_process_and_fsdp2_restores_its_shards(results):
+    """--ema-decay (issue 52): the average of the trained weights under DDP and FSDP2 (held as shards) is one
+    process's with the global batch; FSDP2's, saved gathered, loads back into another model's shards."""
+    for wrap in ("ddp", "fsdp2"):
+        r = results[f"ema_{wrap}_vs_single"]
+        assert r["max_diff"] < 1e-6 and r["moved"] > 1e-6 and r["n"] > 10, r
+    assert results["ema_fsdp2_vs_single"]["sharded"] and not results["ema_ddp_vs_single"]["sharded"]
+    assert results["ema_fsdp2_restored"]["max_diff"] == 0.0
