@@ -548,6 +548,9 @@ def read_spec(model_dir):
     sentence naming the file and the field for anything wrong."""
     kit = load_settings(model_dir)
     _check_hf_files(model_dir)
+    if kit.get("kind") == "reranker" or _cross_encoder(model_dir):  # its modules score pairs: no embedding spec
+        head = kit.get("head") or CLASSIFIER if kit.get("kind") == "reranker" else None
+        return DirSpec(model_dir, head, kit)
     multi = read_multi_vector(model_dir)
     sparse = read_sparse(model_dir)
     st = read_st_settings(model_dir)
@@ -589,6 +592,15 @@ def _check_hf_files(model_dir):
         for key, (ok, what) in fields.items():
             if key in got and not ok(got[key]):
                 _bad(path, key, got[key], what)
+
+
+def _cross_encoder(model_dir):
+    """Is `model_dir` a sentence-transformers CrossEncoder dir (its config says so, or a LogitScore module)?"""
+    st_config = os.path.join(model_dir, "config_sentence_transformers.json")
+    if os.path.isfile(st_config) and _json(st_config).get("model_type") == "CrossEncoder":
+        return True
+    modules = _modules(model_dir) or []
+    return any(m.get("type", "").endswith("LogitScore") for m in modules)
 
 
 def _hidden_size(model_dir):

@@ -257,6 +257,7 @@ def main():
             restored.load_state_dict(state)
             results["ema_fsdp2_restored"] = {"max_diff": max_diff(restored.state_dict(), state)}
         del got
+    EMAS.clear()  # (a global holding FSDP2 shards would keep their mesh's group alive past main)
     # --head multi-vector: token vectors (and their masks) gathered with their gradients, MaxSim scores
     HEAD[0] = multi_vector
     mv0 = multi_vector.load(model_dir, dim=8, seed=0).eval()
