@@ -75,10 +75,48 @@ def slerp(a, b, t, eps=1e-4):
 
 # ----- models -------------------------------------------------------------------------------------
 
+def checkpoint_of(path):
+    """(the run's export, the weights file) when `path` is a run's checkpoint (`RUN/step_000300`: its
+    model.safetensors) or the average it keeps (`RUN/step_000300/ema.safetensors`: --ema-decay); else None.
+    The architecture, tokenizer and settings come from the run's export, `RUN/final`."""
+    folder, name = (os.path.dirname(path), os.path.basename(path)) if os.path.isfile(path) else (path, None)
+    if not os.path.isfile(os.path.join(folder, "meta.json")):
+        if name is not None:
+            raise SystemExit(f"{path}: a file; a model is an export's folder, a run's checkpoint folder "
+                             "(RUN/step_N) or the EMA it keeps (RUN/step_N/ema.safetensors)")
+        return None
+    weights = os.path.join(folder, name or "model.safetensors")
+    final = os.path.join(os.path.dirname(os.path.abspath(folder)), "final")
+    if not os.path.isfile(weights) or name not in (None, "model.safetensors", "ema.safetensors"):
+        raise SystemExit(f"{path}: not a checkpoint's model.safetensors or ema.safetensors")
+    if not os.path.isfile(os.path.join(final, SETTINGS_FILE)):
+        raise SystemExit(f"{path}: a checkpoint is read with its run's export for the architecture, and "
+                         f"{final} holds none (let the run finish, or resume it to its end)")
+    from .ckpt import load_meta
+
+    if load_meta(folder).get("model_subset") == "trained" or load_meta(folder).get("model_format") == "dcp":
+        raise SystemExit(f"{path}: a LoRA or sharded (DCP) checkpoint; merge its run's exports instead "
+                         "(--export-ema, --select-best)")
+    return final, weights
+
+
 def load(path, dim=None, seed=0, like=None):
-    """(the raw model with its head, tokenizer, settings, head module) of a dir: an export of the kit, or
-    any dir the kit reads as the head `like` (a base: a plain or sentence-transformers dir)."""
+    """(the raw model with its head, tokenizer, settings, head module) of a dir: an export of the kit, a
+    run's checkpoint (checkpoint_of), or any dir the kit reads as the head `like` (a base: a plain or
+    sentence-transformers dir)."""
     from .evaluate import biencoder_settings
+
+    ckpt = None if like is not None else checkpoint_of(path)
+    if ckpt is not None:
+        from safetensors.torch import load_file
+
+        model, tok, settings, head = load(ckpt[0], dim, seed)
+        state = load_file(ckpt[1])
+        unknown = [k for k in state if k not in model.state_dict()]
+        if unknown:
+            raise SystemExit(f"{ckpt[1]}: {unknown[0]} is not a parameter of {ckpt[0]}'s model: another run's")
+        model.load_state_dict(state, strict=False)  # (an EMA holds the trained parameters: all of them here)
+        return model, tok, settings, head
     from .export import load_exported_reranker
     from .models import load_tokenizer
 
@@ -187,7 +225,8 @@ def main(argv=None):
     ap.add_argument("--base", default=None, help="the model it was tuned from: alpha 0")
     ap.add_argument("--alpha", type=flags.listed(flags.fraction), default=None,
                     help="weight of the tuned model, 0 to 1; several (0.2,0.4,...,1.0) with --dev-beir choose one")
-    ap.add_argument("--models", type=flags.listed(str), default=None, help="exports to average (a soup), or two to "
+    ap.add_argument("--models", type=flags.listed(str), default=None, help="exports (or a run's checkpoints, "
+                    "RUN/step_N, and the EMA they keep, RUN/step_N/ema.safetensors) to average (a soup), or two to "
                     "interpolate spherically (--slerp)")
     ap.add_argument("--weights", type=flags.listed(flags.positive_float), default=None,
                     help="one weight per --models entry (default equal)")
@@ -214,7 +253,7 @@ def main(argv=None):
     ins = [("--tuned", a.tuned), ("--base", a.base), *[("--models", m) for m in a.models or []],
            ("--dev-beir", a.dev_beir), ("--biencoder", a.biencoder), *[("--report-beir", r) for r in a.report_beir]]
     for flag, path in ins:
-        if path and not os.path.isdir(path):
+        if path and not (os.path.isdir(path) or (flag == "--models" and os.path.isfile(path))):
             ap.error(f"{flag} {path}: no such folder")
     outputs.check_dir("--out", a.out, SETTINGS_FILE, ins)
     ctx = dist.init()

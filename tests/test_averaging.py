@@ -248,3 +248,46 @@ def test_the_alpha_is_chosen_on_dev_in_the_tool_and_at_the_end_of_a_run(tuned, t
     best = max(c["dev"]["ndcg@10"] for c in record["candidates"])
     assert record["alpha"] == min(c["alpha"] for c in record["candidates"] if c["dev"]["ndcg@10"] >= best)
     assert all("beir" in c for c in record["candidates"])  # --eval-beir reported for every candidate
+
+
+@pytest.mark.slow
+def test_a_runs_checkpoints_and_their_ema_export_through_the_merge_tool(tuned, tiny_model_dir, small_train_file,
+                                                                        tmp_path):
+    """--models RUN/step_N exports that checkpoint's weights (a multi-vector run's last: bitwise its final/),
+    RUN/step_N/ema.safetensors the average it keeps (bitwise the --export-ema run's final/), two checkpoints
+    their mean; a checkpoint without its run's export, or a LoRA one, is one sentence."""
+    from safetensors.torch import load_file
+
+    mv = os.path.dirname(tuned["multi-vector"][0])
+    run_module(["-m", "retrieval_kit.merge", "--models", os.path.join(mv, "step_000002"), "--out", tmp_path / "last"])
+    files = [os.path.relpath(os.path.join(d, f), os.path.join(mv, "final")) for d, _, fs in
+             os.walk(os.path.join(mv, "final")) for f in fs if f.endswith(".safetensors")]
+    assert len(files) >= 2  # (the backbone and the fresh projection)
+    for f in files:
+        want, got = load_file(os.path.join(mv, "final", f)), load_file(str(tmp_path / "last" / f))
+        assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want), f
+
+    common = ["--model", tiny_model_dir, "--train-file", small_train_file, "--val-file", "", "--batch-size", 4,
+              "--max-steps", 2, "--ckpt-every", 1, "--lr", 1e-2, "--ema-decay", 0.5, "--seed", 5,
+              "--query-max-length", 8, "--passage-max-length", 32]
+    run_script("train_biencoder.py", [*common, "--output-dir", tmp_path / "run"])
+    run_script("train_biencoder.py", [*common, "--export-ema", "--output-dir", tmp_path / "ema_run"])
+    run_module(["-m", "retrieval_kit.merge", "--models", tmp_path / "run" / "step_000002" / "ema.safetensors",
+                "--out", tmp_path / "ema"])
+    want, got = load_file(str(tmp_path / "ema_run" / "final" / "model.safetensors")), load_file(str(tmp_path / "ema" / "model.safetensors"))
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    run_module(["-m", "retrieval_kit.merge", "--models", f"{tmp_path / 'run' / 'step_000001'},"
+                f"{tmp_path / 'run' / 'step_000002'}", "--out", tmp_path / "soup"])
+    one, two = (load_file(str(tmp_path / "run" / f"step_00000{i}" / "model.safetensors")) for i in (1, 2))
+    got = load_file(str(tmp_path / "soup" / "model.safetensors"))
+    k = next(k for k in got if got[k].is_floating_point() and not torch.equal(one[k], two[k]))
+    assert torch.allclose(got[k], (one[k] + two[k]) / 2, atol=1e-7)
+
+    lora = os.path.dirname(tuned["lora"][0])
+    (tmp_path / "orphan").mkdir()
+    (tmp_path / "orphan" / "meta.json").write_text(json.dumps({"step": 1}))
+    (tmp_path / "orphan" / "model.safetensors").write_bytes(b"")
+    for path, says in ((os.path.join(lora, "step_000002"), "a LoRA or sharded (DCP) checkpoint"),
+                       (tmp_path / "orphan", "holds none")):
+        out = python_run(["-m", "retrieval_kit.merge", "--models", path, "--out", tmp_path / "x"])
+        assert out.returncode != 0 and says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
