@@ -320,10 +320,11 @@ def write_reranker_settings(kind, cfg, final):
 
 def one_side(a):
     """--only kit|peer: one side in this fresh process; prints its step times and peak RSS as JSON."""
-    cfg = {**KINDS[a.kind], **json.loads(a.cfg)}
+    kind = a.kind[0]  # (--kind is repeatable: a list)
+    cfg = {**KINDS[kind], **json.loads(a.cfg)}
     side = kit_side if a.only == "kit" else peer_side
     t0 = time.perf_counter()
-    times = side(a.kind, cfg, a.base, a.train, a.out, a.seed, a.compute_dtype)
+    times = side(kind, cfg, a.base, a.train, a.out, a.seed, a.compute_dtype)
     print(json.dumps({"times": times, "wall_s": time.perf_counter() - t0,
                       "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
