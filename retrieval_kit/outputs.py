@@ -51,7 +51,7 @@ def check_file(flag, path, inputs=(), overwrite=False, own=None):
     """Before any work: the file `path` may be written - not an input (check_inputs), not a folder,
     replaced only with `overwrite` or when `own(path)` says the tool wrote it - and it can be written
     (its folder is made; a probe file is opened and removed). One sentence naming `flag` otherwise."""
-    from .flags import os_reason
+    from .flags import check_writable_file
 
     check_inputs(flag, path, inputs)
     if os.path.isdir(path):
@@ -59,15 +59,7 @@ def check_file(flag, path, inputs=(), overwrite=False, own=None):
     if os.path.exists(path) and not overwrite and not (own and own(path)):
         raise SystemExit(f"{flag} {path} exists: pass --overwrite to replace it" if own is None else
                          f"{flag} {path} exists and is not this tool's output: write to another path")
-    existed = os.path.exists(path)
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "a"):
-            pass
-    except OSError as e:
-        raise SystemExit(f"{flag} {path}: cannot write there ({os_reason(e)})") from None
-    if not existed:
-        os.remove(path)
+    check_writable_file(flag, path)
 
 
 def is_own(path, marker):

@@ -12,6 +12,10 @@ sys.path.insert(0, ROOT)
 # Every model here is a local dir: nothing in a test may wait on the Hugging Face hub (a network that
 # drops packets would turn a lookup into a long hang). Inherited by every process the tests start.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# `-n 2` on 2 cores: each pytest-xdist worker computes on one thread, as the processes it starts do
+# (OMP_NUM_THREADS=1), instead of two OpenMP threads per worker spinning against the other's work
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 from tests import warm  # noqa: E402
 

