@@ -94,7 +94,11 @@ def checkpoint_of(path):
                          f"{final} holds none (let the run finish, or resume it to its end)")
     from .ckpt import load_meta
 
-    if load_meta(folder).get("model_subset") == "trained" or load_meta(folder).get("model_format") == "dcp":
+    try:
+        meta = load_meta(folder)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{folder}/meta.json cannot be read ({e}): not a complete checkpoint") from None
+    if meta.get("model_subset") == "trained" or meta.get("model_format") == "dcp":
         raise SystemExit(f"{path}: a LoRA or sharded (DCP) checkpoint; merge its run's exports instead "
                          "(--export-ema, --select-best)")
     return final, weights
@@ -111,7 +115,10 @@ def load(path, dim=None, seed=0, like=None):
         from safetensors.torch import load_file
 
         model, tok, settings, head = load(ckpt[0], dim, seed)
-        state = load_file(ckpt[1])
+        try:
+            state = load_file(ckpt[1])
+        except Exception as e:  # (a truncated or foreign file: safetensors' own error types)
+            raise SystemExit(f"{ckpt[1]} cannot be read ({e}): a damaged checkpoint") from None
         unknown = [k for k in state if k not in model.state_dict()]
         if unknown:
             raise SystemExit(f"{ckpt[1]}: {unknown[0]} is not a parameter of {ckpt[0]}'s model: another run's")
