@@ -6,6 +6,7 @@ merging, a mismatched pair one sentence; the weight chosen on dev, in the tool a
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -253,19 +254,21 @@ def test_the_alpha_is_chosen_on_dev_in_the_tool_and_at_the_end_of_a_run(tuned, t
 @pytest.mark.slow
 def test_a_runs_checkpoints_and_their_ema_export_through_the_merge_tool(tuned, tiny_model_dir, small_train_file,
                                                                         tmp_path):
-    """--models RUN/step_N exports that checkpoint's weights (a multi-vector run's last: bitwise its final/),
-    RUN/step_N/ema.safetensors the average it keeps (bitwise the --export-ema run's final/), two checkpoints
-    their mean; a checkpoint without its run's export, or a LoRA one, is one sentence."""
+    """--models RUN/step_N exports that checkpoint's weights (a multi-vector or reranker run's last: bitwise its
+    final/), RUN/step_N/ema.safetensors the average it keeps (bitwise the --export-ema run's final/), two
+    checkpoints their mean; a checkpoint without its run's export, a LoRA one or a damaged one is one sentence."""
     from safetensors.torch import load_file
 
-    mv = os.path.dirname(tuned["multi-vector"][0])
-    run_module(["-m", "retrieval_kit.merge", "--models", os.path.join(mv, "step_000002"), "--out", tmp_path / "last"])
-    files = [os.path.relpath(os.path.join(d, f), os.path.join(mv, "final")) for d, _, fs in
-             os.walk(os.path.join(mv, "final")) for f in fs if f.endswith(".safetensors")]
-    assert len(files) >= 2  # (the backbone and the fresh projection)
-    for f in files:
-        want, got = load_file(os.path.join(mv, "final", f)), load_file(str(tmp_path / "last" / f))
-        assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want), f
+    for kind, n_files in (("multi-vector", 2), ("classifier", 1)):  # (backbone + fresh projection; a reranker)
+        run = os.path.dirname(tuned[kind][0])
+        run_module(["-m", "retrieval_kit.merge", "--models", os.path.join(run, "step_000002"), "--out",
+                    tmp_path / kind])
+        files = [os.path.relpath(os.path.join(d, f), os.path.join(run, "final")) for d, _, fs in
+                 os.walk(os.path.join(run, "final")) for f in fs if f.endswith(".safetensors")]
+        assert len(files) >= n_files
+        for f in files:
+            want, got = load_file(os.path.join(run, "final", f)), load_file(str(tmp_path / kind / f))
+            assert set(want) == set(got) and all(torch.equal(want[k], got[k]) for k in want), (kind, f)
 
     common = ["--model", tiny_model_dir, "--train-file", small_train_file, "--val-file", "", "--batch-size", 4,
               "--max-steps", 2, "--ckpt-every", 1, "--lr", 1e-2, "--ema-decay", 0.5, "--seed", 5,
@@ -287,7 +290,13 @@ def test_a_runs_checkpoints_and_their_ema_export_through_the_merge_tool(tuned, t
     (tmp_path / "orphan").mkdir()
     (tmp_path / "orphan" / "meta.json").write_text(json.dumps({"step": 1}))
     (tmp_path / "orphan" / "model.safetensors").write_bytes(b"")
+    damaged = tmp_path / "damaged"  # a copy of the reranker run: weights cut short, then meta.json unreadable
+    shutil.copytree(os.path.dirname(tuned["classifier"][0]), damaged)
+    shutil.copytree(damaged / "step_000002", damaged / "step_000001")
+    (damaged / "step_000001" / "model.safetensors").write_bytes(b"\x10\x00")
+    (damaged / "step_000002" / "meta.json").write_text("{")
     for path, says in ((os.path.join(lora, "step_000002"), "a LoRA or sharded (DCP) checkpoint"),
-                       (tmp_path / "orphan", "holds none")):
+                       (tmp_path / "orphan", "holds none"), (damaged / "step_000001", "a damaged checkpoint"),
+                       (damaged / "step_000002", "not a complete checkpoint")):
         out = python_run(["-m", "retrieval_kit.merge", "--models", path, "--out", tmp_path / "x"])
         assert out.returncode != 0 and says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
