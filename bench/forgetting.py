@@ -77,8 +77,8 @@ def main():
             bi, beir, out, ("--reranker", path, "--rerank-weight", "0.5", "--rerank-top-k", "10"),
             stage="biencoder+reranker@10")
         script = ["train_reranker.py", "--force-fp32-params", "--static-graph", "--dev-biencoder", bi, *alphas]
-        rows = [{"model": "bi-encoder alone (command 1, no reranker)", "seed": None, **{n: evaluate(bi, b, os.path.join(a.work, f"bi_{n}.json"))
-                                                   for n, b in sets.items()}}]
+        rows = [{"model": "bi-encoder alone (command 1, no reranker)", "seed": None,
+                 **{n: evaluate(bi, b, os.path.join(a.work, f"bi_{n}.json")) for n, b in sets.items()}}]
     else:
         score = evaluate
         script = ["train_biencoder.py", "--validate-ema", *alphas]
