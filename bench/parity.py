@@ -35,7 +35,8 @@ duplicate masking, sentence-transformers' own batching).
 
 Evaluation, the same code for both: the kit's `python -m retrieval_kit.evaluate` on each side's saved dir
 (a sentence-transformers dir is an input the kit reads), nDCG@10 on data/eval and data/ood; a reranker
-reranks the untrained MiniLM's top 10 alone (weight 1), so the first stage is the same for both. One
+reranks the untrained MiniLM's top 10 alone (weight 1), so the first stage is the same for both. The MiniLM
+kinds are evaluated in fp32, the SmolLM2 kinds under --compute-dtype (bf16 autocast by default), both sides alike. One
 cross-check: sentence-transformers' own InformationRetrievalEvaluator on data/eval for the single-vector
 kind's models. Step time (median over the steps after the first two, the end-to-end wall time of a step)
 and peak RSS of each side's process, each side a fresh process, alternating (kit, peer; peer, kit).
@@ -331,9 +332,13 @@ def one_side(a):
 
 # ----- the run ----------------------------------------------------------------------------------
 
-def evaluate_dir(kind, final, beir, first_stage, out):
-    """nDCG@10 of a side's dir on a BEIR set by the kit's evaluate (a reranker: `first_stage`'s top 10, alone)."""
+def evaluate_dir(kind, final, beir, first_stage, out, compute_dtype="none"):
+    """nDCG@10 of a side's dir on a BEIR set by the kit's evaluate (a reranker: `first_stage`'s top 10, alone).
+    The SmolLM2 kinds are evaluated under the training's compute dtype (bf16 autocast: fp32 scoring of 2,000
+    pairs a set takes ~20 min on this CPU), both sides alike; the MiniLM kinds in fp32."""
     argv = ["-m", "retrieval_kit.evaluate", "--beir", beir, "--output", out]
+    if KINDS[kind]["base"] == "smollm2":
+        argv += ["--compute-dtype", compute_dtype]
     argv += (["--model", first_stage, "--reranker", final, "--rerank-weight", "1", "--rerank-top-k", "10"]
              if kind in ("classifier", "lm") else ["--model", final])
     subprocess.run([sys.executable, *argv], cwd=ROOT, check=True, capture_output=True, text=True)
@@ -422,8 +427,11 @@ def main():
                        "lr": cfg["lr"], "step_s": statistics.median(got["times"][2:] or got["times"]),
                        "peak_rss_mb": got["peak_rss_mb"], "wall_s": got["wall_s"]}
                 for b in beirs:
+                    t = time.perf_counter()
                     row[os.path.basename(b.rstrip("/"))] = evaluate_dir(kind, final, b, models["minilm"],
-                                                                       os.path.join(out, f"eval_{os.path.basename(b)}.json"))
+                                                                       os.path.join(out, f"eval_{os.path.basename(b)}.json"),
+                                                                       a.compute_dtype)
+                    row[f"eval_s_{os.path.basename(b.rstrip('/'))}"] = time.perf_counter() - t
                 if kind == "single-vector" and i == 0:
                     row["st_ir_eval"] = st_ir_check(final, beirs[0])
                 rows.append(row)
