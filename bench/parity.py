@@ -5,6 +5,7 @@ evaluated by the same code (issue 51).
     python bench/parity.py --kind single-vector                 # seeds 42, 43; MiniLM; the table + parity.json
     python bench/parity.py --kind multi-vector --steps 120 --lr 1e-4
     python bench/parity.py --kind lm --smollm2 DIR              # the decoders: scripts/build_smollm2.py's dir
+    python bench/parity.py --kind decoder-embedder --pooling avg --seeds 42   # a recipe: mean pooling, both sides
     python bench/parity.py --smoke --tiny-encoder DIR --tiny-decoder DIR   # every kind, one step a side
 
 Kinds and peers:
@@ -29,7 +30,8 @@ sides from one saved MLM model (MiniLM with a fresh MLM head drawn once), a clas
 sequence-classification model (a fresh head drawn once). The same settings: steps, batch, learning rate,
 linear schedule and warmup, weight decay 0.01 (not on biases and norms in both), clipping at 1, fused
 AdamW, the max lengths (sentence-transformers has one; the kit's query length is set to it), the
-temperature / scale, hard negatives, LoRA rank / alpha / targets, bf16 autocast over fp32 weights (both;
+temperature / scale, hard negatives, LoRA rank / alpha / targets / dropout (0, peft's default: the kit's scripts
+default to 0.1; --lora-dropout both sides, --kit-lora-dropout the kit's alone), bf16 autocast over fp32 weights (both;
 --compute-dtype). What cannot be made equal is printed with the table (data order, dropout draws,
 duplicate masking, sentence-transformers' own batching).
 
@@ -82,7 +84,7 @@ UNEQUAL = {  # what the two sides cannot share
                      "scheme, other numbers)"],
     "sparse": ["duplicate masking off in the kit"],
     "classifier": [],
-    "lm": ["sentence-transformers' LoRA dropout and init drawn by peft (the kit's: its own draw, peft's layout)"],
+    "lm": ["the LoRA adapters drawn by each side (peft's init scheme on both)"],
     "decoder-embedder": ["the LoRA adapters drawn by each side (peft's init scheme on both)",
                          "duplicate masking off in the kit"],
 }
@@ -157,6 +159,8 @@ def kit_side(kind, cfg, base, train, out, seed, compute):
             str(cfg["warmup"]), "--lr-schedule", "linear", "--weight-decay", "0.01", "--max-grad-norm", "1.0",
             "--seed", str(seed), "--output-dir", out, "--log-every", "1", "--ckpt-every", "1000000",
             "--compute-dtype", compute, *cfg["args"]]
+    if "--lora-rank" in cfg["args"] and "lora_dropout" in cfg:  # (none given: the script's default)
+        argv += ["--lora-dropout", str(cfg.get("kit_lora_dropout", cfg["lora_dropout"]))]
     if cfg["script"] == "train_biencoder.py":
         argv += ["--query-max-length", str(cfg["length"]), "--passage-max-length", str(cfg["length"]),
                  "--temperature", str(cfg["temperature"]), "--no-mask-duplicates"]
@@ -262,7 +266,8 @@ def build_peer(kind, cfg, base, rows):
         tok.padding_side = "left"
         model.tokenizer.chat_template = reranker_chat_template(pair_layout(tok, TEMPLATE_PRESETS["qwen3"]),
                                                                tok.chat_template)
-        model[0].model = get_peft_model(model[0].model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+        model[0].model = get_peft_model(model[0].model, LoraConfig(r=16, lora_alpha=32,
+                                                                   lora_dropout=cfg.get("lora_dropout", 0.0),
                                                                    target_modules=list(TARGETS)))
     class GroupOnly(MultipleNegativesRankingLoss):  # its hard negatives only: no in-batch ones sampled
         def get_in_batch_negatives(self, anchors, candidates):
@@ -273,9 +278,9 @@ def build_peer(kind, cfg, base, rows):
 
 
 def decoder_embedder(base, cfg):
-    """SmolLM2 as a sentence-transformers embedder: its Transformer, lasttoken pooling, normalized, the
-    instruction as the query prompt, EOS appended by the tokenizer's post-processor (the kit's own
-    models.append_eos_token), left padding; peft's LoRA on the model."""
+    """SmolLM2 as a sentence-transformers embedder: its Transformer, lasttoken pooling (`--pooling avg`: mean),
+    normalized, the instruction as the query prompt, EOS appended by the tokenizer's post-processor (the kit's
+    own models.append_eos_token; last-token pooling only, as the kit), left padding; peft's LoRA on the model."""
     from peft import LoraConfig, get_peft_model
     from sentence_transformers import SentenceTransformer, models
 
@@ -284,11 +289,14 @@ def decoder_embedder(base, cfg):
     body = models.Transformer(base)
     setup_pad_token(body.tokenizer)
     body.tokenizer.padding_side = "left"
-    append_eos_token(body.tokenizer)
-    pooling = models.Pooling(body.get_word_embedding_dimension(), "lasttoken")
+    last = cfg.get("pooling", "last") == "last"
+    if last:  # (the kit appends EOS for last-token pooling only)
+        append_eos_token(body.tokenizer)
+    pooling = models.Pooling(body.get_word_embedding_dimension(), "lasttoken" if last else "mean")
     model = SentenceTransformer(modules=[body, pooling, models.Normalize()], device="cpu",
                                 prompts={"query": QWEN_INSTRUCTION, "document": ""})
-    body.auto_model = get_peft_model(body.auto_model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+    body.auto_model = get_peft_model(body.auto_model, LoraConfig(r=16, lora_alpha=32,
+                                                                 lora_dropout=cfg.get("lora_dropout", 0.0),
                                                                  target_modules=list(TARGETS)))
     return model
 
@@ -380,6 +388,13 @@ def main():
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the kind's)")
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--lr", type=float, default=None)
+    ap.add_argument("--lora-dropout", type=float, default=0.0,
+                    help="the LoRA kinds, both sides (default 0: peft's default; the kit's scripts default to 0.1)")
+    ap.add_argument("--kit-lora-dropout", type=float, default=None,
+                    help="the kit's side alone (its scripts' default 0.1 against the peer's --lora-dropout)")
+    ap.add_argument("--sides", default="kit,peer", help="which sides to run (default both)")
+    ap.add_argument("--pooling", choices=("last", "avg"), default=None,
+                    help="decoder-embedder: last-token + EOS (default) or mean pooling, both sides")
     ap.add_argument("--compute-dtype", choices=("bf16", "none"), default="bf16",
                     help="both sides: bf16 autocast over fp32 weights, or fp32 throughout")
     ap.add_argument("--train-file", default=os.path.join(ROOT, "data", "train.jsonl"))
@@ -413,10 +428,12 @@ def main():
     seeds = [int(s) for s in a.seeds.split(",")]
     rows = []
     for kind in kinds:
-        cfg = {**KINDS[kind], **{k: v for k, v in (("steps", a.steps), ("batch", a.batch_size), ("lr", a.lr)) if v}}
+        cfg = settings(a, kind, {k: v for k, v in (("steps", a.steps), ("batch", a.batch_size), ("lr", a.lr)) if v})
         for i, seed in enumerate(seeds):
             base, train = prepare(a.work, kind, cfg, seed, models)
             for side in (("kit", "peer") if i % 2 == 0 else ("peer", "kit")):  # alternating
+                if side not in a.sides.split(","):
+                    continue
                 out = os.path.join(a.work, f"{kind}_{side}_{seed}")
                 import shutil
 
@@ -424,7 +441,10 @@ def main():
                 got = run_side(a, side, kind, cfg, base, train, out, seed)
                 final = os.path.join(out, "final")
                 row = {"kind": kind, "side": side, "seed": seed, "steps": cfg["steps"], "batch": cfg["batch"],
-                       "lr": cfg["lr"], "step_s": statistics.median(got["times"][2:] or got["times"]),
+                       "lr": cfg["lr"], **({"pooling": cfg["pooling"]} if "pooling" in cfg else {}),
+                       **({"lora_dropout": cfg.get("kit_lora_dropout", cfg["lora_dropout"]) if side == "kit" else
+                           cfg["lora_dropout"]} if "--lora-rank" in cfg["args"] else {}),
+                       "step_s": statistics.median(got["times"][2:] or got["times"]),
                        "peak_rss_mb": got["peak_rss_mb"], "wall_s": got["wall_s"]}
                 for b in beirs:
                     t = time.perf_counter()
@@ -437,6 +457,17 @@ def main():
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     report(rows, kinds, beirs, a.out or os.path.join(a.work, "parity.json"))
+
+
+def settings(a, kind, overrides):
+    """The kind's settings with the command line's (`--pooling` applies to the decoder embedder only)."""
+    cfg = {**KINDS[kind], "lora_dropout": a.lora_dropout, **overrides}
+    if a.kit_lora_dropout is not None:
+        cfg["kit_lora_dropout"] = a.kit_lora_dropout
+    if a.pooling and kind == "decoder-embedder":
+        cfg["pooling"] = a.pooling
+        cfg["args"] = [a.pooling if x == "last" else x for x in cfg["args"]]
+    return cfg
 
 
 def report(rows, kinds, beirs, path):
@@ -472,7 +503,7 @@ def smoke(a, kinds):
     models = {"minilm": a.tiny_encoder, "minilm-mlm": a.tiny_encoder, "minilm-cls": a.tiny_encoder,
               "smollm2": a.tiny_decoder, "train_file": a.train_file}
     for kind in kinds:
-        cfg = {**KINDS[kind], "steps": 1, "batch": 2, "warmup": 0, "length": 32}
+        cfg = settings(a, kind, {"steps": 1, "batch": 2, "warmup": 0, "length": 32})
         if kind == "lm":  # (the tiny decoder's vocabulary; Qwen3's template alone is 102 tokens)
             cfg.update(lm_tokens="data,tool", length=128)
         base, train = prepare(a.work, kind, cfg, 0, models)
