@@ -203,7 +203,10 @@ def peer_side(kind, cfg, base, train, out, seed, compute):
                      max_steps=cfg["steps"], learning_rate=cfg["lr"], warmup_steps=cfg["warmup"],
                      lr_scheduler_type="linear", weight_decay=0.01, optim="adamw_torch_fused", max_grad_norm=1.0,
                      logging_steps=10 ** 9, save_strategy="no", report_to="none", disable_tqdm=True, seed=seed,
-                     data_seed=seed, use_cpu=True, bf16=compute == "bf16", dataloader_drop_last=True)
+                     data_seed=seed, use_cpu=True, bf16=compute == "bf16", dataloader_drop_last=True,
+                     # the instruction on the queries in training too, as the kit (the model's own `prompts` are
+                     # used by encode_query only; the trainer prepends what its arguments name, per column)
+                     **({"prompts": {"anchor": QWEN_INSTRUCTION}} if kind == "decoder-embedder" else {}))
     trainer_cls(model=model, args=targs, train_dataset=Dataset.from_dict(rows), loss=loss,
                 callbacks=[Clock(), *callbacks]).train()
     final = os.path.join(out, "final")
