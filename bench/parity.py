@@ -395,7 +395,7 @@ def main():
                     help="the LoRA kinds, both sides (default 0: peft's default; the kit's scripts default to 0.1)")
     ap.add_argument("--kit-lora-dropout", type=float, default=None,
                     help="the kit's side alone (its scripts' default 0.1 against the peer's --lora-dropout)")
-    ap.add_argument("--sides", default="kit,peer", help="which sides to run (default both)")
+    ap.add_argument("--sides", default="kit,peer", type=sides_flag, help="which sides to run: kit, peer or kit,peer")
     ap.add_argument("--pooling", choices=("last", "avg"), default=None,
                     help="decoder-embedder: last-token + EOS (default) or mean pooling, both sides")
     ap.add_argument("--compute-dtype", choices=("bf16", "none"), default="bf16",
@@ -460,6 +460,13 @@ def main():
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     report(rows, kinds, beirs, a.out or os.path.join(a.work, "parity.json"))
+
+
+def sides_flag(text):
+    sides = text.split(",")
+    if not sides or any(x not in ("kit", "peer") for x in sides):
+        raise argparse.ArgumentTypeError(f"{text!r}: give kit, peer or kit,peer")
+    return text
 
 
 def settings(a, kind, overrides):
