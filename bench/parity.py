@@ -159,7 +159,7 @@ def kit_side(kind, cfg, base, train, out, seed, compute):
             str(cfg["warmup"]), "--lr-schedule", "linear", "--weight-decay", "0.01", "--max-grad-norm", "1.0",
             "--seed", str(seed), "--output-dir", out, "--log-every", "1", "--ckpt-every", "1000000",
             "--compute-dtype", compute, *cfg["args"]]
-    if "--lora-rank" in cfg["args"] and "lora_dropout" in cfg:  # (none given: the script's default)
+    if "--lora-rank" in cfg["args"]:
         argv += ["--lora-dropout", str(cfg.get("kit_lora_dropout", cfg["lora_dropout"]))]
     if cfg["script"] == "train_biencoder.py":
         argv += ["--query-max-length", str(cfg["length"]), "--passage-max-length", str(cfg["length"]),
@@ -270,7 +270,7 @@ def build_peer(kind, cfg, base, rows):
         model.tokenizer.chat_template = reranker_chat_template(pair_layout(tok, TEMPLATE_PRESETS["qwen3"]),
                                                                tok.chat_template)
         model[0].model = get_peft_model(model[0].model, LoraConfig(r=16, lora_alpha=32,
-                                                                   lora_dropout=cfg.get("lora_dropout", 0.0),
+                                                                   lora_dropout=cfg["lora_dropout"],
                                                                    target_modules=list(TARGETS)))
     class GroupOnly(MultipleNegativesRankingLoss):  # its hard negatives only: no in-batch ones sampled
         def get_in_batch_negatives(self, anchors, candidates):
@@ -299,7 +299,7 @@ def decoder_embedder(base, cfg):
     model = SentenceTransformer(modules=[body, pooling, models.Normalize()], device="cpu",
                                 prompts={"query": QWEN_INSTRUCTION, "document": ""})
     body.auto_model = get_peft_model(body.auto_model, LoraConfig(r=16, lora_alpha=32,
-                                                                 lora_dropout=cfg.get("lora_dropout", 0.0),
+                                                                 lora_dropout=cfg["lora_dropout"],
                                                                  target_modules=list(TARGETS)))
     return model
 
@@ -418,6 +418,13 @@ def main():
     if a.only:
         return one_side(a)
     kinds = a.kind or list(KINDS)
+    if a.pooling and "decoder-embedder" not in kinds:
+        ap.error("--pooling: it applies to --kind decoder-embedder only")
+    if not os.path.isfile(a.train_file):
+        ap.error(f"--train-file {a.train_file}: no such file")
+    for b in a.beir or []:
+        if not os.path.isfile(os.path.join(b, "corpus.jsonl")):
+            ap.error(f"--beir {b}: no corpus.jsonl there (a BEIR dir: corpus.jsonl, queries.jsonl, qrels/)")
     os.makedirs(a.work, exist_ok=True)
     if a.smoke:
         return smoke(a, kinds)
