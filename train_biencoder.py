@@ -67,7 +67,7 @@ def main():
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code, spec.markers)
     encoder, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
         functools.partial(head.load, model_dir, storage_dtype, spec=spec, dim=args.multi_vector_dim, seed=args.seed,
-                          **cli.load_settings(args)), args.parallel == "fsdp2", ctx)
+                          **cli.load_settings(args), **cli.head_load_settings(args, head)), args.parallel == "fsdp2", ctx)
     evaluate.prepare(tokenizer, encoder, settings, head, args.append_eos, args.bidirectional,  # a decoder: pad left,
                      args.pad_to_multiple_of)  # EOS, lengths checked; multi-vector: whole-token markers, its size
     dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights, head.embedding_size(encoder))

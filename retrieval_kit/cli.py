@@ -403,6 +403,11 @@ def load_settings(args):
     return dict(attention_dropout=args.attention_dropout, fast_dropout=args.fast_dropout)
 
 
+def head_load_settings(args, head):
+    """The keyword arguments of `head`'s load() that come from its own flags (its LOAD_FLAGS)."""
+    return {dest: getattr(args, dest) for dest in getattr(head, "LOAD_FLAGS", ())}
+
+
 def wrap_settings(args):
     """The keyword arguments of dist.wrap that come from flags."""
     return dict(parallel=args.parallel, activation_checkpointing=args.activation_checkpointing,
@@ -549,6 +554,11 @@ def biencoder_parser(description=None):
     flag(loss, "--flops-warmup-steps", type=flags.nonneg_int, default=None,
          help="--head sparse: the FLOPS weights rise quadratically from 0 over these optimizer steps (default a "
               "third of --max-steps, as sentence-transformers' SpladeRegularizerWeightSchedulerCallback)")
+    flag(g, "--lexical-head-bias", type=float, default=None,
+         help="--head sparse, a model dir without a trained MLM head (all-MiniLM-L6-v2): start the fresh head as a "
+              "lexical map - its transform the identity, its norm 1 / 0 - with every vocabulary logit shifted by this "
+              "bias, so a text starts as its own words and their neighbours in the vocabulary (-4 on MiniLM: 0.79 "
+              "nDCG@10 untrained, docs/pipeline.md) (default: transformers' random init)")
     add_optim_args(p, lr=5e-5, max_steps=60, warmup_steps=6)
     add_precision_args(p)
     add_lora_args(p)

