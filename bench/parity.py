@@ -104,13 +104,17 @@ def prepare(work, kind, cfg, seed, models):
 
     base = models[cfg["base"]]
     if cfg["base"] in ("minilm-mlm", "minilm-cls"):
-        out = os.path.join(work, cfg["base"])
+        lexical = cfg.get("lexical_head_bias")
+        out = os.path.join(work, cfg["base"] + ("" if lexical is None else f"-lexical{lexical:g}"))
         if not os.path.isdir(out):  # one fresh head for both sides (and both seeds)
             from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification, AutoTokenizer
 
+            from retrieval_kit.heads import sparse
+
             torch.manual_seed(0)
             cls = AutoModelForMaskedLM if cfg["base"] == "minilm-mlm" else AutoModelForSequenceClassification
-            model = cls.from_pretrained(base, **({} if cls is AutoModelForMaskedLM else {"num_labels": 1}))
+            model = (sparse.load(base, lexical_head_bias=lexical) if lexical is not None else  # (the kit's own start)
+                     cls.from_pretrained(base, **({} if cls is AutoModelForMaskedLM else {"num_labels": 1})))
             model.save_pretrained(out)  # (a plain dir: SparseEncoder / CrossEncoder build their modules on it)
             AutoTokenizer.from_pretrained(base).save_pretrained(out)
         base = out
@@ -398,6 +402,9 @@ def main():
     ap.add_argument("--sides", default="kit,peer", type=sides_flag, help="which sides to run: kit, peer or kit,peer")
     ap.add_argument("--pooling", choices=("last", "avg"), default=None,
                     help="decoder-embedder: last-token + EOS (default) or mean pooling, both sides")
+    ap.add_argument("--lexical-head-bias", type=float, default=None,
+                    help="sparse: both sides start from MiniLM with its fresh MLM head made a lexical map by the kit's "
+                         "--lexical-head-bias (default: the head's random init, drawn once)")
     ap.add_argument("--compute-dtype", choices=("bf16", "none"), default="bf16",
                     help="both sides: bf16 autocast over fp32 weights, or fp32 throughout")
     ap.add_argument("--train-file", default=os.path.join(ROOT, "data", "train.jsonl"))
@@ -420,6 +427,8 @@ def main():
     kinds = a.kind or list(KINDS)
     if a.pooling and "decoder-embedder" not in kinds:
         ap.error("--pooling: it applies to --kind decoder-embedder only")
+    if a.lexical_head_bias is not None and "sparse" not in kinds:
+        ap.error("--lexical-head-bias: it applies to --kind sparse only")
     if not os.path.isfile(a.train_file):
         ap.error(f"--train-file {a.train_file}: no such file")
     for b in a.beir or []:
@@ -452,6 +461,7 @@ def main():
                 final = os.path.join(out, "final")
                 row = {"kind": kind, "side": side, "seed": seed, "steps": cfg["steps"], "batch": cfg["batch"],
                        "lr": cfg["lr"], **({"pooling": cfg["pooling"]} if "pooling" in cfg else {}),
+                       **({"lexical_head_bias": cfg["lexical_head_bias"]} if "lexical_head_bias" in cfg else {}),
                        **({"lora_dropout": cfg.get("kit_lora_dropout", cfg["lora_dropout"]) if side == "kit" else
                            cfg["lora_dropout"]} if "--lora-rank" in cfg["args"] else {}),
                        "step_s": statistics.median(got["times"][2:] or got["times"]),
@@ -484,6 +494,8 @@ def settings(a, kind, overrides):
     if a.pooling and kind == "decoder-embedder":
         cfg["pooling"] = a.pooling
         cfg["args"] = [a.pooling if x == "last" else x for x in cfg["args"]]
+    if a.lexical_head_bias is not None and kind == "sparse":
+        cfg["lexical_head_bias"] = a.lexical_head_bias
     return cfg
 
 
