@@ -207,6 +207,7 @@ def test_a_sparse_run_validates_and_retrieves_and_its_export_is_an_input(tiny_mo
     assert json.loads((out / "final" / "retrieval_kit.json").read_text())["head"] == "sparse"
 
 
+@pytest.mark.slow
 def test_a_lexical_head_makes_minilm_logits_its_states_against_the_word_embeddings_and_a_text_its_words():
     """--lexical-head-bias on the real MiniLM (no MLM head shipped): the logits are, by hand, the final
     states through GELU and a plain layer norm, against the tied word embeddings, plus the bias; a text's
@@ -238,6 +239,7 @@ def test_a_lexical_head_bias_on_a_trained_head_is_one_sentence(tiny_model_dir, t
         sparse.load(str(trained), lexical_head_bias=-4.0)
 
 
+@pytest.mark.slow
 def test_the_kits_sparse_loss_and_grads_equal_sentence_transformers_splade_loss_on_minilm(tmp_path):
     """The step's maths against its peer (bench/parity.py's sparse row): on MiniLM with a lexical head, the
     kit's loss (in-batch contrastive at scale 1 + both FLOPS terms at full weight) and its gradients equal
