@@ -554,7 +554,7 @@ def biencoder_parser(description=None):
     flag(loss, "--flops-warmup-steps", type=flags.nonneg_int, default=None,
          help="--head sparse: the FLOPS weights rise quadratically from 0 over these optimizer steps (default a "
               "third of --max-steps, as sentence-transformers' SpladeRegularizerWeightSchedulerCallback)")
-    flag(g, "--lexical-head-bias", type=float, default=None,
+    flag(g, "--lexical-head-bias", type=flags.any_float, default=None,
          help="--head sparse, a model dir without a trained MLM head (all-MiniLM-L6-v2): start the fresh head as a "
               "lexical map - its transform the identity, its norm 1 / 0 - with every vocabulary logit shifted by this "
               "bias, so a text starts as its own words and their neighbours in the vocabulary (-4 on MiniLM: 0.79 "

@@ -33,6 +33,7 @@ nonneg_float = _checked(float, lambda v: v >= 0, "must be 0 or more")
 fraction = _checked(float, lambda v: 0 <= v <= 1, "must be between 0 and 1")
 beta = _checked(float, lambda v: 0 <= v < 1, "must be at least 0 and below 1")  # an Adam beta
 open_fraction = _checked(float, lambda v: 0 < v < 1, "must be above 0 and below 1")  # an EMA decay
+any_float = _checked(float, lambda v: True, "")  # any finite number (a bias)
 
 
 def metric_name(text):

@@ -213,3 +213,10 @@ def test_the_tools_answer_the_newest_mistakes_without_a_traceback(tiny_model_dir
         res = python_run(argv, cwd=ROOT)
         out = res.stdout + res.stderr
         assert res.returncode == rc and "Traceback" not in out and says in out, (argv, out[-2000:])
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "x"])
+def test_a_lexical_head_bias_that_is_not_a_finite_number_is_argparses_one_line(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse(cli.biencoder_parser(), ["--head", "sparse", "--lexical-head-bias", value])
+    assert e.value.code == 2 and "argument --lexical-head-bias: must be a" in capsys.readouterr().err
