@@ -31,6 +31,7 @@ def validation(model, val_records, retrieval, val_score, tokenizer, settings, di
     """{log prefix: metrics} of one validation: the fixed groups (val/*), the retrieval sets (beir/*:
     --eval-beir, dev/*: --dev-queries; {name}_dim{d}/* for each Matryoshka size); with `ema`
     (--validate-ema) the same of the average (ema_*)."""
+    ema = ema if args.validate_ema else None
     out = {}
     if val_records:
         out["val"] = loop.validate_groups(model, val_records, args.val_n_passages, args.val_batch_size, ctx, val_score)
@@ -128,9 +129,9 @@ def main():
     model.train()  # from_pretrained returns eval mode (no dropout); validation switches back and forth
     while True:
         step, last_step = state.step, state.step >= args.max_steps
-        if not state.stopping and loop.eval_due(step, start_step, args.val_every, last_step):
-            for prefix, metrics in validation(eval_model, val_records, retrieval, val_score, tokenizer, settings,
-                                              dims[0], ctx, args, ema if args.validate_ema else None).items():
+        if not state.stopping and loop.eval_due(step, start_step, args.val_every, last_step):  # (a SIGTERM: left)
+            for prefix, metrics in loop.until_stopped(state, validation, eval_model, val_records, retrieval, val_score,
+                                                      tokenizer, settings, dims[0], ctx, args, ema).items():
                 logger.log_eval(step, metrics, prefix, f"{args.eval_beir} {prefix}" if prefix.startswith("beir") else prefix)
         best_now = state.observe(args.select_best, logger.last, step)  # --select-best: checkpoint a new best
         if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping) or best_now:
@@ -151,7 +152,7 @@ def main():
     if state.stopping:
         return loop.stop_early(logger, stop, state.step, args.output_dir)
 
-    # ----- export --------------------------------------------------------------------------------
+    # ----- export (a SIGTERM from here on exits 0 at once: the last step is saved; --resume auto exports again) -
     selected = loop.final_weights(encoder, args.output_dir, state, model, ema if args.export_ema else None)  # or EMA
     final = export_model(os.path.join(args.output_dir, "final"), encoder, tokenizer,
                          {"kind": "biencoder", **settings, "temperature": args.temperature, "matryoshka_dims": dims[0],

@@ -92,6 +92,7 @@ def validation(eval_model, val_records, dev, val_score, tokenizer, tok_settings,
     """{log prefix: metrics} of one validation: the fixed groups (val/*) and the dev pipeline
     (--dev-queries: dev/*, dev_fused/*, dev_best/*; evaluate.RerankDev); with `ema` (--validate-ema) the
     same of the average (ema_*)."""
+    ema = ema if args.validate_ema else None
     out = {}
     if val_records:
         out["val"] = loop.validate_groups(eval_model, val_records, args.val_n_passages, args.val_batch_size, ctx,
@@ -190,8 +191,8 @@ def main():
     while True:
         step, last_step = state.step, state.step >= args.max_steps
         if not state.stopping and loop.eval_due(step, start_step, args.val_every, last_step):
-            for prefix, metrics in validation(eval_model, val_records, dev, val_score, tokenizer, tok_settings, ctx,
-                                              args, ema if args.validate_ema else None).items():  # val/*; dev/*, ...
+            for prefix, metrics in loop.until_stopped(state, validation, eval_model, val_records, dev, val_score,
+                                                      tokenizer, tok_settings, ctx, args, ema).items():  # val/*; dev/*
                 logger.log_eval(step, metrics, prefix)
         best_now = state.observe(args.select_best, logger.last, step)  # --select-best: checkpoint a new best
         if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping) or best_now:
@@ -213,7 +214,7 @@ def main():
     if state.stopping:
         return loop.stop_early(logger, stop, state.step, args.output_dir)
 
-    # ----- export --------------------------------------------------------------------------------
+    # ----- export (a SIGTERM from here on exits 0 at once: the last step is saved; --resume auto exports again) -
     final = os.path.join(args.output_dir, "final")
     selected = loop.final_weights(net, args.output_dir, state, model, ema if args.export_ema else None)  # or EMA
     fusion = dev and dev.choose(eval_model, tokenizer, tok_settings, ctx.device)  # on them

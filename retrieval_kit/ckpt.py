@@ -676,12 +676,16 @@ def load_rng(ckpt_dir, rank):
 class StopSignal:
     """Records SIGTERM / SIGINT instead of dying mid-step: the loop finishes the step, every rank
     agrees (the flag rides on the step's reduction), a checkpoint is saved and the run exits 0.
-    A second signal exits at once (any checkpoint being written stays a `.tmp_` folder)."""
+    An evaluation under way (validation, dev scoring, the merge candidates) stops at its next batch
+    (dist.stop_point raises dist.Interrupted on every rank; loop.until_stopped) and is run again on resume."""
 
     def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+        from .dist import watch_stop
+
         self.name = None
         for s in signals:
             signal.signal(s, self._handle)
+        watch_stop(lambda: self.requested)
 
     def _handle(self, signum, frame):
         self.name = self.name or signal.Signals(signum).name

@@ -213,6 +213,35 @@ def all_reduce_sum(values):
     return t.tolist()
 
 
+# ----- a stop asked for during a long evaluation -------------------------------------------------
+
+class Interrupted(Exception):
+    """A stop signal arrived during an evaluation: raised by stop_point on every rank at the same batch."""
+
+
+_stop = {"requested": None}  # the watched signal's `requested()` (ckpt.StopSignal), or None: no stop points
+
+
+def watch_stop(requested):
+    """From now on the evaluations call `requested()` between their batches (stop_point); None: they do not."""
+    _stop["requested"] = requested
+
+
+def stop_point():
+    """Between two batches of an evaluation (encoding, pair scoring, fixed groups): raise Interrupted on every
+    rank at once when any rank was asked to stop, so a SIGTERM is honoured within a batch, not after a whole
+    validation. One small collective under torchrun: every rank reaches the same stop points (the evaluations
+    run as many batches on every rank). Nothing at all while no signal is watched (the tools)."""
+    requested = _stop["requested"]
+    if requested is None:
+        return
+    asked = float(bool(requested()))
+    if world_size() > 1:
+        asked = all_reduce_sum([asked])[0]
+    if asked:
+        raise Interrupted()
+
+
 def reduce_mean(values):
     """Mean over ranks of a dict of floats (one collective for the whole dict)."""
     keys = list(values)

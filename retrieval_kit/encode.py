@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from .collate import tokenize
+from .dist import stop_point
 from .heads import single_vector
 
 
@@ -34,6 +35,7 @@ def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
     out = [None] * len(texts)
     starts = range(0, len(texts), batch_size)
     for s in tqdm(starts, desc=desc, disable=not progress):
+        stop_point()  # a SIGTERM in a training run's evaluation: every rank stops here (dist.Interrupted)
         idx = order[s:s + batch_size]
         batch = tokenize(tokenizer, [texts[i] for i in idx], max_length, prefix, side=side).to(device)
         rows = head.store(model(**{name: batch})[name], max_length, dtype)
@@ -63,6 +65,7 @@ def score_pairs(model, tokenizer, queries, passages, settings, batch_size=32, de
     order = sorted(range(len(queries)), key=lambda i: -(len(queries[i]) + len(passages[i])))
     out = torch.empty(len(queries))
     for s in tqdm(range(0, len(order), batch_size), desc=desc, disable=not progress):
+        stop_point()
         idx = order[s:s + batch_size]
         batch = collate_rerank(tokenizer, [queries[i] for i in idx], [[passages[i]] for i in idx],
                                max_length=settings["rerank_max_length"],

@@ -232,6 +232,7 @@ def validate_groups(model, records, n_passages, batch_size, ctx, score):
     per_rank = -(-len(records) // ctx.world_size)
     total = -(-per_rank // batch_size)  # batches on every rank (eval_batches)
     for recs, counted in tqdm(batches, total=total, desc="val", unit="batch", leave=False, disable=not ctx.is_main):
+        dist.stop_point()  # a SIGTERM: every rank leaves here at the same batch (until_stopped)
         scores, loss = score(model, [r.query for r in recs], [data.fixed_group(r, n_passages) for r in recs])
         if not counted:
             continue
@@ -291,10 +292,26 @@ def end_run(logger, message):
     dist.cleanup()
 
 
+def until_stopped(state, evaluate, *args, **kwargs):
+    """evaluate(*args, **kwargs) (a validation, the dev choice of a fusion or merge weight), or {} with
+    `state.stopping` set when a stop signal arrives during it: every rank leaves it at the same batch
+    (dist.stop_point), the run saves the step it is at and exits; what was left undone runs again on resume
+    (a resumed run validates at its first step, and ends by exporting and choosing again)."""
+    try:
+        return evaluate(*args, **kwargs)
+    except dist.Interrupted:
+        state.stopping = True
+        dist.print0(f"a stop signal during {getattr(evaluate, '__name__', 'an evaluation')} at step {state.step}: "
+                    "left at its next batch; it runs again on resume")
+        return {}
+
+
 def stop_early(logger, stop, step, output_dir):
     """The end of a run stopped by a signal: its checkpoint is saved; say how to continue."""
     logger.close()
-    dist.print0(f"stopped by {stop.name or 'a signal on another rank'} after step {step}: checkpoint saved in "
-                f"{output_dir}; continue with --resume auto")
+    where = (f"checkpoint saved in {output_dir}" if step else
+             f"no step was trained, nothing to save in {output_dir}")
+    dist.print0(f"stopped by {stop.name or 'a signal on another rank'} after step {step}: {where}; continue with "
+                "--resume auto")
     ckpt.release_lock()
     dist.cleanup()

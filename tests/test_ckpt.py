@@ -165,6 +165,71 @@ def test_sigterm_saves_a_checkpoint_that_resumes_exactly_reranker(tiny_model_dir
     assert_same_run(ref, run)
 
 
+def big_beir(folder, n_docs):
+    """A BEIR set of `n_docs` generated 40-word passages and 50 queries: a validation that takes seconds."""
+    import random
+
+    rng = random.Random(0)
+    words = "package install apt debian kernel module file system network socket shell user group disk".split()
+    os.makedirs(os.path.join(folder, "qrels"))
+    text = lambda n: " ".join(rng.choice(words) for _ in range(n))  # noqa: E731
+    with open(os.path.join(folder, "corpus.jsonl"), "w") as f:
+        f.writelines(json.dumps({"_id": f"d{i}", "title": "", "text": text(40)}) + "\n" for i in range(n_docs))
+    with open(os.path.join(folder, "queries.jsonl"), "w") as f:
+        f.writelines(json.dumps({"_id": f"q{i}", "text": text(6)}) + "\n" for i in range(50))
+    with open(os.path.join(folder, "qrels", "test.tsv"), "w") as f:
+        f.write("query-id\tcorpus-id\tscore\n" + "".join(f"q{i}\td{i}\t1\n" for i in range(50)))
+    return str(folder)
+
+
+def wait_for_step(proc, metrics, step, timeout=300):
+    """Until the run has logged training step `step` (metrics.jsonl)."""
+    deadline = time.time() + timeout
+    while not (os.path.isfile(metrics) and any(r["split"] == "train" and r["step"] == step for r in read_jsonl(metrics))):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, f"step {step} was never logged"
+        time.sleep(0.05)
+
+
+STOP_BOUND_S = 10  # a SIGTERM is honoured within this (schedulers give ~30 s before SIGKILL)
+
+
+@pytest.mark.parametrize("nproc,n_docs", [(1, 24000), (2, 12000)])
+def test_sigterm_during_a_long_validation_saves_the_step_and_resumes_bitwise(tiny_model_dir, small_train_file, tmp_path,
+                                                                             nproc, n_docs):
+    """Issue 61: SIGTERM one second into the step-2 validation (--eval-beir over n_docs passages: ~12 s alone on
+    one rank here, longer than the bound) leaves it at the next batch on every rank, saves step 2 and exits
+    within STOP_BOUND_S; --resume auto validates step 2 again and finishes as the uninterrupted run: the
+    same weights, losses and evaluation rows."""
+    beir = big_beir(tmp_path / "beir", n_docs)
+    extra = ["--max-steps", 2, "--val-every", 2, "--eval-beir", beir, "--val-batch-size", 4, "--log-every", 1]
+    ref = tmp_path / "ref"
+    run_script("train_biencoder.py", bi_args(tiny_model_dir, small_train_file, ref, *extra), nproc=nproc)
+    run = tmp_path / "run"
+    args = bi_args(tiny_model_dir, small_train_file, run, *extra)
+    proc = launch("train_biencoder.py", args, nproc=nproc)
+    wait_for_step(proc, run / "metrics.jsonl", 2)
+    time.sleep(1.0)  # into the validation
+    sent = time.time()
+    for pid in process_tree(proc.pid):  # as a scheduler does: every process of the job
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    out, err = proc.communicate(timeout=300)
+    took = time.time() - sent
+    assert took < STOP_BOUND_S, (took, err[-3000:])
+    assert "a stop signal during validation at step 2" in out and "stopped by SIGTERM after step 2" in out, out[-2000:]
+    assert nproc > 1 or proc.returncode == 0, err[-3000:]  # (torchrun's own agent exits 1 on a SIGTERM of its own)
+    assert os.path.isfile(run / "step_000002" / "meta.json") and not os.path.exists(run / "final")
+    assert not [r for r in read_jsonl(run / "metrics.jsonl") if r["split"] == "beir" and r["step"] == 2]  # left undone
+    run_script("train_biencoder.py", args + ["--resume", "auto"], nproc=nproc)
+    assert_same_run(ref, run)
+    evals = [[(r["step"], r["ndcg@10"], r["mrr@10"]) for r in read_jsonl(d / "metrics.jsonl") if r["split"] == "beir"]
+             for d in (ref, run)]
+    assert evals[0] == evals[1] and [e[0] for e in evals[0]] == [0, 2]
+
+
 # DDP killed with SIGKILL on 2 ranks, then resumed bitwise, is test_nodes's run (one agent per node)
 @pytest.mark.parametrize("parallel,sig,lora", [("fsdp2", signal.SIGTERM, 0), ("fsdp2", signal.SIGKILL, 4)])
 def test_two_rank_kill_then_resume_is_bitwise_identical(tiny_model_dir, small_train_file, tmp_path, parallel, sig, lora):
