@@ -44,13 +44,13 @@ PROBES = [("how do i list files", "ls lists directory contents " * 200), ("q", "
 AFTER_EXPORT_FAILED = "the last checkpoint is intact: free space, then continue with --resume auto"
 
 
-def export_model(out_dir, model, tokenizer, settings, publish=True, card=None):
+def export_model(out_dir, model, tokenizer, settings, publish=True, card=None, finish=None):
     """export_model_ (below); a failed write (a full disk) ends the run with one sentence."""
     with writing(f"the model to {out_dir}", then=AFTER_EXPORT_FAILED):
-        return export_model_(out_dir, model, tokenizer, settings, publish, card)
+        return export_model_(out_dir, model, tokenizer, settings, publish, card, finish)
 
 
-def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None):
+def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None, finish=None):
     """Save a dir that AutoModel / AutoTokenizer.from_pretrained load, plus our settings beside it
     (pooling, normalization, prefixes, max lengths, template) so evaluation tokenizes as training did.
     A bi-encoder (settings["kind"] == "biencoder") also gets its head's sentence-transformers files
@@ -59,7 +59,8 @@ def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None):
 
     Written into `out_dir.partial` and renamed to `out_dir` when complete (publish=False leaves it
     there for the caller to finish and publish), so a kill never leaves a model dir that looks
-    complete but is not. `card`: the model card (README.md, model_card), as the hub shows it."""
+    complete but is not. `card`: the model card (README.md, model_card), as the hub shows it. `finish(stage)`:
+    rank 0's last word on the staged dir before it is published (merge: the adapter at alpha, its file list)."""
 
     weights = full_state_dict(model)  # collective under FSDP2
     lora = getattr(unwrap(model), "lora", None)
@@ -91,6 +92,8 @@ def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None):
         if card:
             with open(os.path.join(stage, "README.md"), "w", encoding="utf-8") as f:
                 f.write(card)
+        if finish is not None and publish:
+            finish(stage)
     if publish:
         publish_dir(out_dir)
     barrier()
@@ -189,25 +192,26 @@ def reranker_chat_template(layout, original=None):
     return head + body + "{%- else %}" + other + "{% endif %}"
 
 
-def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False, card=None, seq_cls=False):
+def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False, card=None, seq_cls=False,
+                    finish=None):
     """Write the reranker `net` (the unwrapped *ForSequenceClassification model, or its FSDP2 module)
     to `out_dir` as described in the module docstring; returns the settings written beside it.
     A failed write (a full disk) ends the run with one sentence.
 
     `settings` holds the head, pooling, bidirectional and the tokenization (prompt_template,
     rerank_max_length, append_eos, padding_side, pad_to_multiple_of); `seq_cls` (--head lm --export-seq-cls):
-    also write `out_dir/seq_cls`."""
+    also write `out_dir/seq_cls`; `finish(stage)`: as export_model's."""
     with writing(f"the reranker to {out_dir}", then=AFTER_EXPORT_FAILED):
-        return _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card, seq_cls)
+        return _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card, seq_cls, finish)
 
 
-def _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card, seq_cls):
+def _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card, seq_cls, finish):
     settings = {"head": heads.CLASSIFIER, **settings}  # (the default head, as train_reranker.py's)
     template, max_length = settings["prompt_template"], settings["rerank_max_length"]
     head = heads.get(settings["head"])
     reasons = head.kit_only_reasons(settings["pooling"], settings.get("bidirectional", False))
     settings = dict(settings, score_activation="identity", tokenizer_pairs=False, portable=False,
-                    kit_only=reasons, lora=getattr(unwrap(net), "lora", None))
+                    kit_only=reasons, lora=getattr(unwrap(net), "lora", None) or settings.get("lora"))
     export_model(out_dir, net, tokenizer, settings, publish=False, card=card)  # collective under FSDP2
     final, out_dir = out_dir, staging(out_dir)  # finished in the staging dir, then published
     if rank() == 0:
@@ -230,6 +234,8 @@ def _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card,
         settings = head.finish_export(out_dir, settings, trust_remote_code, seq_cls)  # lm: seq_cls/
         with open(os.path.join(out_dir, SETTINGS_FILE), "w") as f:
             json.dump(settings, f, indent=2)
+        if finish is not None:
+            finish(out_dir)
     publish_dir(final)
     barrier()
     return settings

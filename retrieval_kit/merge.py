@@ -27,13 +27,14 @@ model closest to the base that gives up almost nothing in domain. Reported sets 
 """
 
 import argparse
+import json
 import math
 import os
 
 import torch
 
 from . import dist, flags, heads, outputs
-from .st_format import SETTINGS_FILE, read_spec
+from .st_format import SETTINGS_FILE, edit_json, read_spec
 
 
 # ----- the maths ------------------------------------------------------------------------------------
@@ -92,7 +93,7 @@ def checkpoint_of(path):
     if not os.path.isfile(os.path.join(final, SETTINGS_FILE)):
         raise SystemExit(f"{path}: a checkpoint is read with its run's export for the architecture, and "
                          f"{final} holds none (let the run finish, or resume it to its end)")
-    from .ckpt import load_meta
+    from .ckpt import load_meta, verify
 
     try:
         meta = load_meta(folder)
@@ -101,7 +102,17 @@ def checkpoint_of(path):
     if meta.get("model_subset") == "trained" or meta.get("model_format") == "dcp":
         raise SystemExit(f"{path}: a LoRA or sharded (DCP) checkpoint; merge its run's exports instead "
                          "(--export-ema, --select-best)")
+    problem = verify(folder)  # the digests recorded when it was written, as --resume checks them
+    if problem:
+        raise SystemExit(f"{path}: {problem}; merge reads only a checkpoint that --resume would")
     return final, weights
+
+
+def check_finite(state, name):
+    """One sentence when a state read for a merge holds NaN or infinite values (a run that diverged)."""
+    for k, v in state.items():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            raise SystemExit(f"{name}: {k} holds NaN or infinite values: merge writes no model from it")
 
 
 def load(path, dim=None, seed=0, like=None):
@@ -122,7 +133,12 @@ def load(path, dim=None, seed=0, like=None):
         unknown = [k for k in state if k not in model.state_dict()]
         if unknown:
             raise SystemExit(f"{ckpt[1]}: {unknown[0]} is not a parameter of {ckpt[0]}'s model: another run's")
-        model.load_state_dict(state, strict=False)  # (an EMA holds the trained parameters: all of them here)
+        missing = [n for n, _ in model.named_parameters() if n not in state]  # (an EMA holds every trained one)
+        if missing:
+            raise SystemExit(f"{ckpt[1]}: holds no {missing[0]} ({len(missing)} of {ckpt[0]}'s parameters missing): "
+                             "not a whole checkpoint of that run; nothing is taken from elsewhere")
+        check_finite(state, ckpt[1])
+        model.load_state_dict(state, strict=False)
         return model, tok, settings, head
     from .export import load_exported_reranker
     from .models import load_tokenizer
@@ -154,6 +170,17 @@ def base_state(path, like, dim=None):
     return {k: v for k, v in first.state_dict().items() if k not in fresh and torch.equal(v, two[k])}
 
 
+def check_base(tuned, base, tuned_name, base_name):
+    """One sentence when the base's tensors do not fit the tuned model's (check_shapes) or it shares under half
+    of them by name (another architecture: nothing, or little, would be interpolated)."""
+    check_shapes([tuned, base], [tuned_name, base_name])
+    shared = sum(k in base for k in tuned)
+    if 2 * shared < len(tuned):
+        raise SystemExit(f"--base {base_name}: shares {shared} of {tuned_name}'s {len(tuned)} tensors (by name and "
+                         "shape): a base shares all but a fresh head's; not the model it was tuned from")
+    check_finite(base, base_name)
+
+
 def check_shapes(states, names):
     """One sentence when the states do not share their names' shapes (another architecture or size)."""
     ref = states[0]
@@ -164,16 +191,96 @@ def check_shapes(states, names):
                              "the models are not of one architecture and size")
 
 
-def write(out, model, tokenizer, settings, head, record):
+def write(out, model, tokenizer, settings, head, record, adapter=None):
     """`model` (its merged weights loaded) exported to `out` as the tuned model's kind, `record` in its
-    retrieval_kit.json's "merge"."""
+    retrieval_kit.json's "merge" with the list of every file written (what makes `out` merge's own: not_ours).
+    What the tuned export held beside the model is rebuilt from the merged weights: its peft adapter dir
+    (`adapter`: (the tuned export's adapter dir, alpha): adapter_at) and an LM reranker's seq_cls/
+    (--export-seq-cls); the record says what was written."""
     from .export import export_model, export_reranker
+    from .outputs import STAGE_MARK
 
-    settings = {k: v for k, v in settings.items() if k not in ("lora", "sentence_transformers", "merge")}
+    seq_cls = "seq_cls" in settings  # (rebuilt, and recorded anew, by the export)
+    lora = settings.get("lora")
+    settings = {k: v for k, v in settings.items() if k not in ("lora", "sentence_transformers", "merge", "seq_cls")}
+    if adapter is not None:
+        settings["lora"] = {**lora, "adapter_alpha": adapter[1]}  # adapter/ is the merge's, at alpha
     settings["merge"] = record
+
+    def finish(stage):  # rank 0, the staged export complete but for these
+        if adapter is not None:
+            adapter_at(adapter[0], os.path.join(stage, "adapter"), adapter[1], model.state_dict())
+        files = sorted(os.path.relpath(os.path.join(r, f), stage) for r, _, names in os.walk(stage) for f in names
+                       if f != STAGE_MARK)
+        edit_json(os.path.join(stage, SETTINGS_FILE), lambda c: c["merge"].update(files=files))
     if settings.get("kind") == "reranker":
-        return export_reranker(out, model, tokenizer, settings)
-    return export_model(out, model, tokenizer, {**settings, "kind": "biencoder", "head": head.NAME})
+        return export_reranker(out, model, tokenizer, settings, seq_cls=seq_cls, finish=finish)
+    return export_model(out, model, tokenizer, {**settings, "kind": "biencoder", "head": head.NAME}, finish=finish)
+
+
+def adapter_of(tuned_dir, settings, base_dir):
+    """The tuned export's peft adapter dir (--export-adapter) when it has one, else None. Its adapter at alpha
+    (adapter_at) is the merge only over the base it was trained on: another --base is one sentence."""
+    src = os.path.join(tuned_dir, "adapter")
+    lora = settings.get("lora") or {}
+    if not os.path.isdir(src) or not lora.get("adapter"):
+        return None
+    trained_on = lora.get("base_model")
+    if trained_on and os.path.realpath(trained_on) != os.path.realpath(base_dir):
+        raise SystemExit(f"--base {base_dir}: {tuned_dir}/adapter is a LoRA adapter trained on {trained_on}, and its "
+                         "adapter at alpha is the merge only over that base: give --base " + trained_on)
+    return src
+
+
+def adapter_at(src, dst, alpha, merged):
+    """The peft adapter dir `src` as the adapter of the merge at `alpha`, written to `dst`: every lora_B times
+    alpha - W0 + alpha * s * B A is (1 - alpha) * W0 + alpha * (W0 + s * B A), the base and the tuned model's
+    merged weight interpolated - and every fully trained module (modules_to_save: a fresh head) the merge's
+    own tensor (`merged`: the merged model's state dict)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from .lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
+
+    out = {}
+    for k, v in load_file(os.path.join(src, ADAPTER_WEIGHTS)).items():
+        if ".lora_B." in k:
+            out[k] = (v.float() * alpha).to(v.dtype)
+        elif ".lora_A." in k:
+            out[k] = v
+        else:
+            name = k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k
+            if name not in merged:
+                raise SystemExit(f"{src}/{ADAPTER_WEIGHTS}: {k} is no tensor of the merged model: its adapter cannot be "
+                                 f"rebuilt at alpha {alpha:g}")
+            out[k] = merged[name].detach().to(v.dtype).contiguous()
+    os.makedirs(dst, exist_ok=True)
+    save_file(out, os.path.join(dst, ADAPTER_WEIGHTS))
+    shutil.copyfile(os.path.join(src, ADAPTER_CONFIG), os.path.join(dst, ADAPTER_CONFIG))
+
+
+def not_ours(out):
+    """Why merge may not replace the folder `out`, or None: absent, empty, or a merge it wrote with nothing
+    added since (its record lists every file in it). A training run's export is not a merge."""
+    if not os.path.isdir(out) or not os.listdir(out):
+        return None
+    try:
+        with open(os.path.join(out, SETTINGS_FILE), encoding="utf-8") as f:
+            kit = json.load(f)
+    except (OSError, ValueError, UnicodeDecodeError):
+        kit = None
+    record = kit.get("merge") if isinstance(kit, dict) else None
+    if not isinstance(record, dict):
+        shown = ", ".join(sorted(os.listdir(out))[:3])
+        return (f"it is not a merge's folder ({shown}, ...: " + ("an export of a training run" if isinstance(kit, dict)
+                                                                 else "files merge did not write") + ")")
+    written = record.get("files") if isinstance(record.get("files"), list) else []
+    added = sorted(os.path.relpath(os.path.join(r, f), out) for r, _, names in os.walk(out) for f in names
+                   if os.path.relpath(os.path.join(r, f), out) not in written)
+    if added:
+        return f"it holds files merge did not write ({', '.join(added[:3])}{', ...' if len(added) > 3 else ''})"
+    return None
 
 
 # ----- the weight chosen on dev --------------------------------------------------------------------
@@ -207,8 +314,10 @@ def dev_merge(final, base_dir, alphas, tolerance, score, device="cpu"):
     Every rank takes part (the scoring is sharded like evaluation's). Returns the record."""
     model, tok, settings, head = load(final)
     tuned = {k: v.clone() for k, v in model.state_dict().items()}
+    check_finite(tuned, final)
     base = base_state(base_dir, head.NAME, settings.get("multi_vector_dim"))
-    check_shapes([tuned, base], [final, base_dir])
+    check_base(tuned, base, final, base_dir)
+    adapter = adapter_of(final, settings, base_dir)  # --export-adapter: rebuilt at the chosen alpha
     model.to(device)
 
     def candidate(alpha):
@@ -218,8 +327,8 @@ def dev_merge(final, base_dir, alphas, tolerance, score, device="cpu"):
     model.to("cpu").load_state_dict(interpolate(base, tuned, chosen))
     record = {"formula": "(1 - alpha) * base + alpha * tuned", "base": base_dir, "alpha": chosen,
               "chosen_on": "dev/ndcg@10", "tolerance": tolerance, "candidates": rows}
-    write(final, model, tok, settings, head, record)  # (collective: rank 0 writes, staged, over the run's own export)
-    return record
+    write(final, model, tok, settings, head, record, adapter and (adapter, chosen))  # (collective: rank 0 writes,
+    return record  # staged, over the run's own export)
 
 
 # ----- the tool -------------------------------------------------------------------------------------
@@ -243,33 +352,56 @@ def main(argv=None):
                     "candidate, never used to choose (repeatable)")
     ap.add_argument("--biencoder", default=None, help="rerankers: the bi-encoder export whose top 10 of --dev-beir "
                     "the candidates rerank")
-    ap.add_argument("--tolerance", type=flags.fraction, default=0.005,
-                    help="keep the smallest alpha within this of the best dev nDCG@10 (default 0.005, 0.5 points)")
+    ap.add_argument("--tolerance", type=flags.fraction, default=None,
+                    help="with several --alpha: keep the smallest alpha within this of the best dev nDCG@10 (default "
+                         "0.005, 0.5 points)")
     ap.add_argument("--out", required=True, help="the merged export to write (a new or empty folder, or an earlier "
                     "merge)")
     a = ap.parse_args(argv)
     pair, many = a.tuned is not None or a.base is not None, a.models is not None
+    if many and a.alpha is not None:
+        ap.error("--alpha weighs --tuned against --base; --models are averaged (--weights) or interpolated (--slerp)")
     if pair == many or (pair and (a.tuned is None or a.base is None or a.alpha is None)):
         ap.error("give --base, --tuned and --alpha, or --models (with --weights or --slerp)")
     if len(a.alpha or []) > 1 and not a.dev_beir:
         ap.error(f"--alpha {','.join(map(str, a.alpha))}: several weights are chosen among on a dev set: give --dev-beir")
     if a.slerp is not None and len(a.models or []) != 2:
         ap.error("--slerp interpolates two --models")
+    if a.slerp is not None and a.weights is not None:
+        ap.error("--weights with --slerp: --slerp's t weighs the two models; --weights is for a soup: drop one")
     if a.weights is not None and len(a.weights) != len(a.models or []):
         ap.error(f"--weights: {len(a.weights)} for {len(a.models or [])} --models")
+    choosing = len(a.alpha or []) > 1
+    for flag, given in (("--dev-beir", a.dev_beir), ("--report-beir", a.report_beir), ("--biencoder", a.biencoder),
+                        ("--tolerance", a.tolerance is not None)):
+        if given and not choosing:
+            ap.error(f"{flag}: only when several --alpha are chosen among on --dev-beir (this merge " +
+                     ("averages --models" if many else f"has the one alpha {a.alpha[0]:g}") + "): drop the flag")
+    a.tolerance = 0.005 if a.tolerance is None else a.tolerance
     ins = [("--tuned", a.tuned), ("--base", a.base), *[("--models", m) for m in a.models or []],
            ("--dev-beir", a.dev_beir), ("--biencoder", a.biencoder), *[("--report-beir", r) for r in a.report_beir]]
     for flag, path in ins:
         if path and not (os.path.isdir(path) or (flag == "--models" and os.path.isfile(path))):
             ap.error(f"{flag} {path}: no such folder")
+    exports = [(flag, (checkpoint_of(path) or (path,))[0])  # (a checkpoint's architecture: its run's final/)
+               for flag, path in ins if path and flag in ("--tuned", "--models")]
+    ins += [(f"{flag} (its run's export, read for the architecture)", d) for flag, d in exports]
+    if a.biencoder and read_spec(exports[0][1]).kit.get("kind") != "reranker":
+        ap.error(f"--biencoder: {a.tuned} is a bi-encoder; --biencoder names the first stage whose top 10 a reranker's "
+                 "candidates rerank: drop the flag")
     outputs.check_dir("--out", a.out, SETTINGS_FILE, ins)
+    why = not_ours(a.out)
+    if why:
+        raise SystemExit(f"--out {a.out}: {why}; merge replaces only a folder it wrote: give a new or empty folder")
     ctx = dist.init()
 
     if pair:
         model, tok, settings, head = load(a.tuned)
         tuned = {k: v.clone() for k, v in model.state_dict().items()}
+        check_finite(tuned, a.tuned)
         base = base_state(a.base, head.NAME, settings.get("multi_vector_dim"))
-        check_shapes([tuned, base], [a.tuned, a.base])
+        check_base(tuned, base, a.tuned, a.base)
+        adapter = adapter_of(exports[0][1], settings, a.base)  # --export-adapter: rebuilt at the alpha
         kept = sorted(k for k in tuned if k not in base)
         record = {"formula": "(1 - alpha) * base + alpha * tuned", "base": a.base, "tuned": a.tuned,
                   "kept_from_tuned": kept}
@@ -284,6 +416,7 @@ def main(argv=None):
         else:
             record["alpha"] = a.alpha[0]
         model.load_state_dict(interpolate(base, tuned, record["alpha"]))
+        adapter = adapter and (adapter, record["alpha"])
     else:
         loaded = [load(m) for m in a.models]
         kinds = {x[3].NAME for x in loaded}
@@ -295,14 +428,19 @@ def main(argv=None):
             raise SystemExit(f"--models: {a.models[0]} and {a.models[1]} hold other parameters: models of one kind and "
                              "architecture are averaged")
         check_shapes(states, a.models)
+        for state, name in zip(states, a.models):
+            check_finite(state, name)
         model, tok, settings, head = loaded[0]
+        adapter = None
+        if (settings.get("lora") or {}).get("adapter"):  # (a mean of merged LoRA weights is no rank-r adapter)
+            dist.print0("note: --models: a soup of LoRA exports is written merged, without their adapter/ dirs")
         if a.slerp is not None:
             model.load_state_dict(slerp(states[0], states[1], a.slerp))
             record = {"formula": "slerp(a, b, t)", "models": a.models, "t": a.slerp}
         else:
             model.load_state_dict(soup(states, a.weights))
             record = {"formula": "weighted mean", "models": a.models, "weights": a.weights or [1.0] * len(a.models)}
-    write(a.out, model, tok, settings, head, record)  # (collective: rank 0 writes)
+    write(a.out, model, tok, settings, head, record, adapter)  # (collective: rank 0 writes)
     dist.print0(f"wrote the merge to {a.out}")
     dist.cleanup()
 

@@ -296,7 +296,7 @@ def test_a_runs_checkpoints_and_their_ema_export_through_the_merge_tool(tuned, t
     (damaged / "step_000001" / "model.safetensors").write_bytes(b"\x10\x00")
     (damaged / "step_000002" / "meta.json").write_text("{")
     for path, says in ((os.path.join(lora, "step_000002"), "a LoRA or sharded (DCP) checkpoint"),
-                       (tmp_path / "orphan", "holds none"), (damaged / "step_000001", "a damaged checkpoint"),
+                       (tmp_path / "orphan", "holds none"), (damaged / "step_000001", "a checkpoint that --resume would"),
                        (damaged / "step_000002", "not a complete checkpoint")):
         out = python_run(["-m", "retrieval_kit.merge", "--models", path, "--out", tmp_path / "x"])
         assert out.returncode != 0 and says in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
