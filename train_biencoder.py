@@ -64,7 +64,7 @@ def main():
     model_dir = args.model or default_model_dir()
     spec = read_spec(model_dir)  # what the dir holds, validated as a whole
     settings = evaluate.biencoder_settings(spec, cli.setting_overrides(args), training=True)  # says what the dir set
-    head = cli.head_flags(args, settings["head"])  # --head or the dir's (heads/); another head's flag: one sentence
+    head = cli.head_flags(args, settings["head"], spec=spec)  # --head or the dir's (heads/); another head's flag: one sentence
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code, spec.markers)
     encoder, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
         functools.partial(head.load, model_dir, storage_dtype, spec=spec, dim=args.multi_vector_dim, seed=args.seed,

@@ -276,9 +276,9 @@ def add_average_args(parser):
               "the dev split (--dev-queries), and the smallest alpha within --merge-tolerance of the best nDCG@10 "
               "exported, every candidate's scores recorded (--eval-beir sets reported, never used to choose); e.g. "
               "0.2,0.4,0.6,0.8,1.0 (python -m retrieval_kit.merge does the same for any exports; default off)")
-    flag(g, "--merge-tolerance", type=flags.fraction, default=0.005, neutral=True,
-         help="--merge-alphas keeps the smallest alpha whose dev nDCG@10 is within this of the best (default 0.005: "
-              "half a point)")
+    flag(g, "--merge-tolerance", type=flags.fraction, default=None, neutral=True,
+         help="with --merge-alphas: keep the smallest alpha whose dev nDCG@10 is within this of the best (default "
+              "0.005: half a point)")
 
 
 # ----- precision ---------------------------------------------------------------------------------
@@ -641,6 +641,9 @@ def validation_splits(args):
     return splits
 
 
+MERGE_TOLERANCE = 0.005  # --merge-tolerance's default: half a point of dev nDCG@10
+
+
 def parse(parser, argv=None):
     """Parse, then check what no single flag's type can: one sentence naming the flags, exit 1."""
     args = parser.parse_args(argv)
@@ -697,6 +700,11 @@ def parse(parser, argv=None):
     if args.export_ema and args.select_best:
         raise SystemExit("--export-ema with --select-best: the export holds one of them, the average or the best "
                          "step's weights; drop one")
+    if args.merge_tolerance is not None and not args.merge_alphas:
+        raise SystemExit("--merge-tolerance: only with --merge-alphas (no merge weight is chosen without it): drop the "
+                         "flag, or give --merge-alphas")
+    if args.merge_alphas and args.merge_tolerance is None:
+        args.merge_tolerance = MERGE_TOLERANCE
     if args.merge_alphas and not args.dev_queries:
         raise SystemExit("--merge-alphas: the alpha is chosen on the dev split: give --dev-queries" +
                          (" and --dev-biencoder" if getattr(args, "rerank_max_length", None) else ""))
@@ -712,13 +720,22 @@ def parse(parser, argv=None):
     return args
 
 
-def head_flags(args, head, whose="this run's"):
+def head_flags(args, head, whose="this run's", spec=None):
     """The head `head` chosen for a run or tool, once: its module (heads.get). No flag dropped in silence:
     a flag that only another head takes (its module's FLAGS), given with `head`, is one sentence naming
-    both; `head`'s own flags left unset get its defaults, in `args` (so the run header and the checkpoint
-    hold what ran), and so do --head and --temperature (the head's TEMPERATURE)."""
+    both; so is one of `head`'s flags given against what the model dir (`spec`) fixes (the module's
+    dir_flags: a multi-vector dir's projection width). `head`'s own flags left unset get the dir's value,
+    else its defaults, in `args` (so the run header and the checkpoint hold what ran), and so do --head and
+    --temperature (the head's TEMPERATURE)."""
     module = heads.get(head)
-    own = module.FLAGS
+    fixed = module.dir_flags(spec) if spec is not None and hasattr(module, "dir_flags") else {}
+    for dest, value in fixed.items():
+        given = getattr(args, dest, None)
+        if given is not None and given != value:
+            raise SystemExit(f"--{dest.replace('_', '-')} {given}: {spec.path} is {spec.what()}, which fixes it at "
+                             f"{value}; the flag cannot change it: drop it (or start from the plain backbone for another "
+                             "size)")
+    own = {**module.FLAGS, **fixed}
     for name in heads.MODULES:
         for dest in heads.get(name).FLAGS if name != head else ():
             value, default = getattr(args, dest, None), heads.get(name).FLAGS[dest]

@@ -95,10 +95,11 @@ def main(argv=None):
         action = next(x for x in cli.biencoder_parser()._actions if name in x.option_strings)
         g.add_argument(name, type=action.type, default=action.default, help=action.help)
     a = ap.parse_args(argv)
-    cli.head_flags(a, a.head, "the plan's")  # --multi-vector-dim with another head: one sentence
+    spec = read_spec(a.model)
+    cli.head_flags(a, a.head, "the plan's", spec)  # --multi-vector-dim with another head, or the dir's other: one sentence
     head = heads.get(a.head)
     storage, _, _ = resolve(a.torch_dtype, a.force_fp32_params, "none", a.parallel, a.lora_rank > 0)
-    model = head.load(a.model, storage, meta=True, spec=read_spec(a.model), dim=a.multi_vector_dim)
+    model = head.load(a.model, storage, meta=True, spec=spec, dim=a.multi_vector_dim)
     assumed = defaulted_shape(a.model, model.config)
     if assumed:
         print(f"note: {a.model}/config.json does not set {', '.join(assumed)}: planned with transformers' defaults "

@@ -181,6 +181,25 @@ def test_an_absurd_multi_vector_dim_is_one_sentence(tiny_model_dir):
         multi_vector.load(tiny_model_dir, dim=100000)
 
 
+def test_a_multi_vector_dim_against_the_dirs_own_is_one_sentence(exports, tmp_path):
+    """Issue 61: --multi-vector-dim 64 with a multi-vector dir (its projection 8 wide) is refused, in the script
+    and in plan, not dropped; unset, the flag takes the dir's width (what the run header records)."""
+    from retrieval_kit import plan
+    from retrieval_kit.st_format import read_spec
+
+    spec = read_spec(exports["multi-vector"])
+    args = cli.parse(cli.biencoder_parser(), ["--multi-vector-dim", "64"])
+    with pytest.raises(SystemExit, match=r"--multi-vector-dim 64: .* is an export of the kit with head multi-vector .*, which fixes it at 8;"):
+        cli.head_flags(args, "multi-vector", spec=spec)
+    args = cli.parse(cli.biencoder_parser(), [])
+    cli.head_flags(args, "multi-vector", spec=spec)
+    assert args.multi_vector_dim == 8
+    args = cli.parse(cli.biencoder_parser(), ["--multi-vector-dim", "8"])
+    cli.head_flags(args, "multi-vector", spec=spec)  # (the same width: said, not refused)
+    with pytest.raises(SystemExit, match="--multi-vector-dim 64: .* which fixes it at 8"):
+        plan.main(["--model", exports["multi-vector"], "--head", "multi-vector", "--multi-vector-dim", "64"])
+
+
 def test_evaluate_reranker_on_a_plain_dir_is_one_sentence(tiny_model_dir, exports, small_beir):
     """(a KeyError after the bi-encoder stage)"""
     out = python_run(["-m", "retrieval_kit.evaluate", "--model", exports["single-vector"], "--beir", small_beir,

@@ -101,6 +101,11 @@ class LateInteraction(torch.nn.Module):
         return {name: self.embed(b, self.widths.get(name)) for name, b in batches.items()}
 
 
+def dir_flags(spec):
+    """The flags a dir fixes: a projection it brings is --multi-vector-dim wide (cli.head_flags refuses another)."""
+    return {"multi_vector_dim": spec.projection["out_features"]} if spec.projection is not None else {}
+
+
 def serving(settings):
     return {}  # (its sentence-transformers files keep per-task lengths: queries are read at the trained length)
 
