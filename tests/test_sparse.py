@@ -293,3 +293,24 @@ def test_the_kits_sparse_loss_and_grads_equal_sentence_transformers_splade_loss_
     total = (sum((p.grad - grads[n].grad).norm() ** 2 for n, p in kit.named_parameters()) ** 0.5 /
              sum(grads[n].grad.norm() ** 2 for n, p in kit.named_parameters()) ** 0.5).item()
     assert total < 1e-3, total  # (fp32 rounding, the kit's length chunks: measured 4.6e-4)
+
+
+def test_saturated_or_constant_sparse_vectors_are_warned_as_empty_ones_are(capsys):
+    """Issue 61: --lexical-head-bias 1e30 gave every text the same all-active vector, unwarned; now a
+    saturated vocabulary or one vector for every query is said, as an all-zero vector is."""
+    from retrieval_kit.heads import sparse
+
+    vocab = 100
+    healthy = torch.zeros(3, vocab)
+    healthy[0, 1], healthy[1, 2], healthy[2, [3, 4]] = 1.0, 2.0, 0.5
+    docs = healthy.to_sparse()
+    assert sparse.degenerate(healthy, 1.3) is None
+    sparse.corpus_stats(healthy, docs)
+    assert "warning" not in capsys.readouterr().out
+    full = torch.full((3, vocab), 69.08)  # log1p(1e30): every dimension, every text
+    assert "saturated vectors (100 of the queries' and 100 of the documents' 100 dimensions" in sparse.degenerate(full, 100.0)
+    sparse.corpus_stats(full, full.to_sparse())
+    assert "warning: sparse: saturated vectors" in capsys.readouterr().out
+    same = healthy[:1].expand(3, vocab).clone()
+    assert sparse.degenerate(same, 1.0) == "every one of the 3 queries has the same vector"
+    assert "saturated" in sparse.degenerate(healthy, 60.0)  # the documents' side alone

@@ -225,8 +225,32 @@ def corpus_stats(q, p_own):
     if empty_q or empty_d:
         print0(f"warning: sparse: {empty_q} of {q.shape[0]} queries and {int(empty_d)} of {int(rows)} documents have "
                "no active dimension (all-zero vectors score 0 against everything)")
-    return {"active_dims_q": float((q != 0).sum(1).float().mean()), "active_dims_d": nnz / max(rows, 1.0),
-            "index_mb": nnz * 8 / 2 ** 20}
+    stats = {"active_dims_q": float((q != 0).sum(1).float().mean()), "active_dims_d": nnz / max(rows, 1.0),
+             "index_mb": nnz * 8 / 2 ** 20}
+    problem = degenerate(q, stats["active_dims_d"])
+    if problem:
+        print0(f"warning: sparse: {problem}: such vectors do not tell texts apart, as all-zero ones do not (a "
+               "vocabulary bias set too high: --lexical-head-bias; a diverged run)")
+    return stats
+
+
+SATURATED = 0.5  # a share of the vocabulary active on average that no working SPLADE model comes near (~1%)
+
+
+def degenerate(q, active_dims_d):
+    """Why the sparse output tells no texts apart - the queries' (dense (Q, V)) or documents' (`active_dims_d`
+    on average) vectors saturated (over SATURATED of the vocabulary active), or every query's vector the
+    same - or None."""
+    vocab = q.shape[1] if q.dim() == 2 else 0
+    if not vocab:
+        return None
+    active_q = float((q != 0).sum(1).float().mean()) if q.shape[0] else 0.0
+    if max(active_q, active_dims_d) > SATURATED * vocab:
+        return (f"saturated vectors ({active_q:.0f} of the queries' and {active_dims_d:.0f} of the documents' "
+                f"{vocab} dimensions active on average)")
+    if q.shape[0] > 1 and torch.equal(q, q[:1].expand_as(q)) and bool((q[0] != 0).any()):
+        return f"every one of the {q.shape[0]} queries has the same vector"
+    return None
 
 
 def empty_rows(stored):
