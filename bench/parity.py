@@ -57,6 +57,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from retrieval_kit import flags  # noqa: E402
 
 QWEN_INSTRUCTION = "Instruct: Given a question, retrieve passages that answer it\nQuery: "
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -391,18 +392,18 @@ def run_side(a, side, kind, cfg, base, train, out, seed):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kind", choices=tuple(KINDS), action="append", default=None, help="(repeatable; default all)")
-    ap.add_argument("--seeds", default="42,43")
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the kind's)")
-    ap.add_argument("--batch-size", type=int, default=None)
-    ap.add_argument("--lr", type=float, default=None)
-    ap.add_argument("--lora-dropout", type=float, default=0.0,
+    ap.add_argument("--seeds", type=flags.listed(flags.nonneg_int), default=[42, 43])
+    ap.add_argument("--steps", type=flags.positive_int, default=None, help="optimizer steps (default: the kind's)")
+    ap.add_argument("--batch-size", type=flags.positive_int, default=None)
+    ap.add_argument("--lr", type=flags.positive_float, default=None)
+    ap.add_argument("--lora-dropout", type=flags.beta, default=0.0,
                     help="the LoRA kinds, both sides (default 0: peft's default; the kit's scripts default to 0.1)")
-    ap.add_argument("--kit-lora-dropout", type=float, default=None,
+    ap.add_argument("--kit-lora-dropout", type=flags.beta, default=None,
                     help="the kit's side alone (its scripts' default 0.1 against the peer's --lora-dropout)")
     ap.add_argument("--sides", default="kit,peer", type=sides_flag, help="which sides to run: kit, peer or kit,peer")
     ap.add_argument("--pooling", choices=("last", "avg"), default=None,
                     help="decoder-embedder: last-token + EOS (default) or mean pooling, both sides")
-    ap.add_argument("--lexical-head-bias", type=float, default=None,
+    ap.add_argument("--lexical-head-bias", type=flags.any_float, default=None,
                     help="sparse: both sides start from MiniLM with its fresh MLM head made a lexical map by the kit's "
                          "--lexical-head-bias (default: the head's random init, drawn once)")
     ap.add_argument("--compute-dtype", choices=("bf16", "none"), default="bf16",
@@ -434,7 +435,10 @@ def main():
     for b in a.beir or []:
         if not os.path.isfile(os.path.join(b, "corpus.jsonl")):
             ap.error(f"--beir {b}: no corpus.jsonl there (a BEIR dir: corpus.jsonl, queries.jsonl, qrels/)")
-    os.makedirs(a.work, exist_ok=True)
+    if a.smoke and not all(d and os.path.isdir(d) for d in (a.tiny_encoder, a.tiny_decoder)):
+        ap.error("--smoke: give --tiny-encoder and --tiny-decoder, the tiny model dirs it trains one step of each kind on")
+    check_outputs(a, [("--train-file", a.train_file), *[("--beir", b) for b in a.beir or []],
+                      ("--smollm2", a.smollm2), ("--tiny-encoder", a.tiny_encoder), ("--tiny-decoder", a.tiny_decoder)])
     if a.smoke:
         return smoke(a, kinds)
     models = {"minilm": minilm_dir(), "minilm-mlm": minilm_dir(), "minilm-cls": minilm_dir(),
@@ -444,7 +448,7 @@ def main():
 
         models["smollm2"] = a.smollm2 or build()
     beirs = a.beir or [os.path.join(ROOT, "data", "eval"), os.path.join(ROOT, "data", "ood")]
-    seeds = [int(s) for s in a.seeds.split(",")]
+    seeds = a.seeds
     rows = []
     for kind in kinds:
         cfg = settings(a, kind, {k: v for k, v in (("steps", a.steps), ("batch", a.batch_size), ("lr", a.lr)) if v})
@@ -477,6 +481,28 @@ def main():
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     report(rows, kinds, beirs, a.out or os.path.join(a.work, "parity.json"))
+
+
+def is_table(path):
+    """Is `path` a table this bench wrote (JSON with its "rows" and "unequal")?"""
+    try:
+        with open(path, encoding="utf-8") as f:
+            got = json.load(f)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(got, dict) and {"rows", "unequal"} <= set(got)
+
+
+def check_outputs(a, inputs):
+    """The kit's output rule (retrieval_kit/outputs.py), before any long work: --work is a folder (made here),
+    never an input nor holding one; --out never an input, and replaced only when it is this bench's table."""
+    from retrieval_kit import outputs
+
+    outputs.check_inputs("--work", a.work, inputs, is_dir=True)
+    if os.path.exists(a.work) and not os.path.isdir(a.work):
+        raise SystemExit(f"--work {a.work} is a file: give a folder the bench may write into")
+    os.makedirs(a.work, exist_ok=True)
+    outputs.check_file("--out", a.out or os.path.join(a.work, "parity.json"), inputs, own=is_table)
 
 
 def sides_flag(text):

