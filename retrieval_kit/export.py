@@ -192,7 +192,7 @@ def reranker_chat_template(layout, original=None):
     return head + body + "{%- else %}" + other + "{% endif %}"
 
 
-def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False, card=None, seq_cls=False,
+def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False, card=None, seq_cls=None,
                     finish=None):
     """Write the reranker `net` (the unwrapped *ForSequenceClassification model, or its FSDP2 module)
     to `out_dir` as described in the module docstring; returns the settings written beside it.
@@ -200,12 +200,14 @@ def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False, 
 
     `settings` holds the head, pooling, bidirectional and the tokenization (prompt_template,
     rerank_max_length, append_eos, padding_side, pad_to_multiple_of); `seq_cls` (--head lm --export-seq-cls):
-    also write `out_dir/seq_cls`; `finish(stage)`: as export_model's."""
+    also write `out_dir/seq_cls` (None: when `settings` records one, as a merge of such an export does);
+    `finish(stage)`: as export_model's."""
     with writing(f"the reranker to {out_dir}", then=AFTER_EXPORT_FAILED):
         return _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card, seq_cls, finish)
 
 
 def _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card, seq_cls, finish):
+    seq_cls = "seq_cls" in settings if seq_cls is None else seq_cls  # (rebuilt, and recorded anew)
     settings = {"head": heads.CLASSIFIER, **settings}  # (the default head, as train_reranker.py's)
     template, max_length = settings["prompt_template"], settings["rerank_max_length"]
     head = heads.get(settings["head"])

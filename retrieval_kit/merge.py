@@ -133,7 +133,8 @@ def load(path, dim=None, seed=0, like=None):
         unknown = [k for k in state if k not in model.state_dict()]
         if unknown:
             raise SystemExit(f"{ckpt[1]}: {unknown[0]} is not a parameter of {ckpt[0]}'s model: another run's")
-        missing = [n for n, _ in model.named_parameters() if n not in state]  # (an EMA holds every trained one)
+        ema = os.path.basename(ckpt[1]) == "ema.safetensors"  # (an EMA holds what was trained: the rest is frozen)
+        missing = [n for n, p in model.named_parameters() if n not in state and (p.requires_grad or not ema)]
         if missing:
             raise SystemExit(f"{ckpt[1]}: holds no {missing[0]} ({len(missing)} of {ckpt[0]}'s parameters missing): "
                              "not a whole checkpoint of that run; nothing is taken from elsewhere")
@@ -196,13 +197,12 @@ def write(out, model, tokenizer, settings, head, record, adapter=None):
     retrieval_kit.json's "merge" with the list of every file written (what makes `out` merge's own: not_ours).
     What the tuned export held beside the model is rebuilt from the merged weights: its peft adapter dir
     (`adapter`: (the tuned export's adapter dir, alpha): adapter_at) and an LM reranker's seq_cls/
-    (--export-seq-cls); the record says what was written."""
+    (--export-seq-cls, export_reranker); the record says what was written."""
     from .export import export_model, export_reranker
     from .outputs import STAGE_MARK
 
-    seq_cls = "seq_cls" in settings  # (rebuilt, and recorded anew, by the export)
-    lora = settings.get("lora")
-    settings = {k: v for k, v in settings.items() if k not in ("lora", "sentence_transformers", "merge", "seq_cls")}
+    lora = settings.get("lora")  # (a head's extra dirs, an LM's seq_cls/, are rebuilt as its settings record them)
+    settings = {k: v for k, v in settings.items() if k not in ("lora", "sentence_transformers", "merge")}
     if adapter is not None:
         settings["lora"] = {**lora, "adapter_alpha": adapter[1]}  # adapter/ is the merge's, at alpha
     settings["merge"] = record
@@ -214,7 +214,7 @@ def write(out, model, tokenizer, settings, head, record, adapter=None):
                        if f != STAGE_MARK)
         edit_json(os.path.join(stage, SETTINGS_FILE), lambda c: c["merge"].update(files=files))
     if settings.get("kind") == "reranker":
-        return export_reranker(out, model, tokenizer, settings, seq_cls=seq_cls, finish=finish)
+        return export_reranker(out, model, tokenizer, settings, finish=finish)
     return export_model(out, model, tokenizer, {**settings, "kind": "biencoder", "head": head.NAME}, finish=finish)
 
 
