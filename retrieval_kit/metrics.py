@@ -88,11 +88,57 @@ def query_metrics(ranked, rels, k_ndcg=10, k_mrr=10, recall_ks=(10, 100), k_map=
     return out
 
 
-def retrieval_metrics(run, qrels, **kw):
+def retrieval_metrics(run, qrels, per_query=None, **kw):
     """Mean over the queries that have qrels of `query_metrics`; `run` is {qid: {doc id: score}}.
-    A judged query missing from the run scores 0 (it retrieved nothing)."""
-    per_query = {qid: query_metrics(rank_docs(run.get(qid, {})), rels, **kw) for qid, rels in qrels.items()}
-    if not per_query:
+    A judged query missing from the run scores 0 (it retrieved nothing). `per_query` (a dict): filled
+    with each query's metrics, for the standard errors and paired tests below."""
+    each = {qid: query_metrics(rank_docs(run.get(qid, {})), rels, **kw) for qid, rels in qrels.items()}
+    if not each:
         raise ValueError("no query has qrels")
-    keys = next(iter(per_query.values())).keys()
-    return {k: sum(m[k] for m in per_query.values()) / len(per_query) for k in keys}
+    if per_query is not None:
+        per_query.update(each)
+    keys = next(iter(each.values())).keys()
+    return {k: sum(m[k] for m in each.values()) / len(each) for k in keys}
+
+
+# ----- how far a dev number can be trusted ---------------------------------------------------------
+
+BOOTSTRAP_SAMPLES = 2000
+TEST_SAMPLES = 10000
+EXACT_UP_TO = 16  # queries: the randomization test enumerates all 2**m sign patterns up to this many
+
+
+def bootstrap_se(values, samples=BOOTSTRAP_SAMPLES, seed=0):
+    """The standard error of the mean of `values` (one number per query) by the bootstrap over queries
+    (Efron & Tibshirani 1993): the standard deviation of the means of `samples` resamples with
+    replacement, from a generator seeded by `seed` (the same values give the same error)."""
+    import numpy as np
+
+    x = np.asarray(values, dtype=np.float64)
+    if x.size < 2:
+        return 0.0
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(samples, x.size))].mean(axis=1)
+    return float(means.std(ddof=1))
+
+
+def paired_p(better, worse, samples=TEST_SAMPLES, seed=0):
+    """One-sided paired randomization test (Fisher's; for IR evaluation, Smucker, Allan & Carterette,
+    CIKM 2007) over the same queries: the probability, were the two systems exchangeable on every query,
+    of a mean difference `better - worse` at least the one observed. Each query's difference keeps or
+    flips its sign: all 2**m patterns up to EXACT_UP_TO queries (exact), else `samples` seeded draws
+    counted with the observed one ((1 + hits) / (1 + samples)). Small: `better` wins beyond noise."""
+    import itertools
+
+    import numpy as np
+
+    d = np.asarray(better, dtype=np.float64) - np.asarray(worse, dtype=np.float64)
+    if d.size == 0:
+        return 1.0
+    observed = d.mean() - 1e-12 * max(1.0, abs(d.mean()))  # (a flip equal to the observed counts, as >=)
+    if d.size <= EXACT_UP_TO:
+        signs = np.array(list(itertools.product((1.0, -1.0), repeat=d.size)))
+        return float(((signs * d).mean(axis=1) >= observed).mean())
+    rng = np.random.default_rng(seed)
+    signs = rng.integers(0, 2, size=(samples, d.size)) * 2.0 - 1.0
+    return float((1 + ((signs * d).mean(axis=1) >= observed).sum()) / (1 + samples))

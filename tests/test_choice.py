@@ -1,0 +1,86 @@
+"""Issue 62: the numbers a choice rests on, against hand computations on fixed tables - the bootstrap
+standard error against the plug-in formula, the paired randomization test's exact p-values (all sign
+patterns) and its seeded Monte-Carlo estimate - and the rule (retrieval_kit/choice.py): the best kept when
+the dev set cannot tell candidates apart, the closest to the base not significantly worse otherwise, a
+candidate that loses the guard never chosen while another holds it."""
+
+import itertools
+import math
+
+import pytest
+
+from retrieval_kit.choice import choose
+from retrieval_kit.metrics import bootstrap_se, paired_p, retrieval_metrics
+
+
+def test_the_paired_test_is_the_share_of_sign_patterns_at_least_as_extreme():
+    assert paired_p([1, 1, 1, 1], [0, 0, 0, 0]) == 1 / 16  # only all signs kept reach the mean of 1
+    assert paired_p([1, 0], [0, 1]) == 3 / 4  # differences (1, -1): patterns ++ (0), +- (1), -- (0) reach 0
+    assert paired_p([0.5, 0.2, 0.9], [0.5, 0.2, 0.9]) == 1.0  # no difference at all: nothing to see
+    # differences 0.3, 0.1, -0.1: means of the 8 patterns, hand-listed; 0.1 is reached by ++-, +++, +-+
+    d = [0.3, 0.1, -0.1]
+    means = [sum(s * x for s, x in zip(signs, d)) / 3 for signs in itertools.product((1, -1), repeat=3)]
+    assert paired_p([0.3, 0.1, 0.0], [0.0, 0.0, 0.1]) == sum(m >= 0.1 - 1e-12 for m in means) / 8 == 3 / 8
+
+
+def test_the_monte_carlo_test_estimates_the_exact_one():
+    better = [0.9, 0.8, 0.7, 0.6, 1.0, 0.5, 0.4, 0.9, 0.3, 0.8, 0.7, 0.2, 0.6, 0.9, 0.5, 0.8, 0.7, 0.6, 0.9, 0.4]
+    worse = [0.8, 0.8, 0.5, 0.7, 0.9, 0.6, 0.2, 0.9, 0.3, 0.6, 0.8, 0.1, 0.6, 0.7, 0.5, 0.9, 0.5, 0.6, 0.8, 0.5]
+    d = [a - b for a, b in zip(better, worse)]
+    observed = sum(d) / len(d)
+    exact = sum(sum(s * x for s, x in zip(signs, d)) / len(d) >= observed - 1e-12
+                for signs in itertools.product((1, -1), repeat=len(d))) / 2 ** len(d)
+    got = paired_p(better, worse)  # 20 queries: 10,000 seeded draws
+    assert abs(got - exact) < 0.01, (got, exact)
+    assert got == paired_p(better, worse)  # seeded: the same every time
+
+
+def test_the_bootstrap_error_is_the_plug_in_standard_error():
+    x = [((7 * i) % 11) / 10 for i in range(60)]
+    m = sum(x) / len(x)
+    plug_in = math.sqrt(sum((v - m) ** 2 for v in x) / len(x) / len(x))
+    assert abs(bootstrap_se(x) - plug_in) / plug_in < 0.05
+    assert bootstrap_se(x) == bootstrap_se(x) and bootstrap_se([0.5]) == 0.0
+
+
+def test_retrieval_metrics_give_each_querys_values():
+    run = {"q1": {"a": 2.0, "b": 1.0}, "q2": {"a": 2.0, "b": 1.0}}
+    qrels = {"q1": {"a": 1}, "q2": {"b": 1}}
+    each = {}
+    means = retrieval_metrics(run, qrels, per_query=each)
+    assert each["q1"]["ndcg@10"] == 1.0 and each["q2"]["ndcg@10"] == pytest.approx(1 / math.log2(3))
+    assert means["ndcg@10"] == pytest.approx((1 + 1 / math.log2(3)) / 2)
+
+
+# 30 queries: the best candidate (index 2) is ahead of candidate 0 on every query, of candidate 1 on two
+WORST = [0.5] * 30
+NEAR = [0.9] * 28 + [0.6, 0.6]
+BEST = [0.9] * 30
+
+
+def test_the_closest_candidate_not_significantly_worse_than_the_best_is_kept():
+    chosen, rows = choose([{"name": 0.2, "dev": WORST}, {"name": 0.6, "dev": NEAR}, {"name": 1.0, "dev": BEST}])
+    assert chosen == 1 and rows[0]["p_worse_than_best"] < 0.05 <= rows[1]["p_worse_than_best"]
+    assert "the closest to the base not significantly worse than the best (1.0" in rows[1]["chosen"]
+    assert rows[2]["dev"] == pytest.approx(0.9) and rows[2]["dev_se"] < 1e-12
+
+
+def test_candidates_the_dev_set_cannot_tell_apart_keep_the_best_and_say_so():
+    chosen, rows = choose([{"name": 0.2, "dev": NEAR}, {"name": 1.0, "dev": BEST}])
+    assert chosen == 1 and "cannot tell these candidates apart" in rows[1]["chosen"]
+
+
+def test_a_candidate_that_loses_the_guard_is_not_chosen_while_another_holds_it():
+    guard_base = [0.7] * 20 + [0.6] * 20
+    lost = [0.4] * 40  # far below the base on the other domain
+    kept = [0.7] * 20 + [0.6] * 20
+    chosen, rows = choose([{"name": 0.2, "dev": WORST, "guard": kept}, {"name": 0.6, "dev": NEAR, "guard": kept},
+                           {"name": 1.0, "dev": BEST, "guard": lost}], guard_base=guard_base)
+    assert chosen == 1 and not rows[2]["guard_ok"] and rows[1]["guard_ok"]
+    assert "the guard keeps 2 of 3" in rows[1]["chosen"]
+    # without the guard the same dev table keeps the best-scoring one
+    assert choose([{"name": 0.6, "dev": NEAR}, {"name": 1.0, "dev": BEST}])[0] == 1
+    # a guard that every candidate loses: the one that loses least
+    chosen, rows = choose([{"name": 0.6, "dev": NEAR, "guard": [0.5] * 40}, {"name": 1.0, "dev": BEST, "guard": lost}],
+                          guard_base=guard_base)
+    assert chosen == 0 and "the only candidate the guard leaves" in rows[0]["chosen"]
