@@ -200,11 +200,13 @@ def test_sigterm_during_a_long_validation_saves_the_step_and_resumes_bitwise(tin
     """Issue 61: SIGTERM one second into the step-2 validation (--eval-beir over n_docs passages: ~12 s alone on
     one rank here, longer than the bound) leaves it at the next batch on every rank, saves step 2 and exits
     within STOP_BOUND_S; --resume auto validates step 2 again and finishes as the uninterrupted run: the
-    same weights, losses and evaluation rows."""
+    same weights and losses (an uninterrupted run without the evaluation: it moves no weight), each evaluation
+    logged once."""
     beir = big_beir(tmp_path / "beir", n_docs)
-    extra = ["--max-steps", 2, "--val-every", 2, "--eval-beir", beir, "--val-batch-size", 4, "--log-every", 1]
+    extra = ["--max-steps", 2, "--val-every", 2, "--val-batch-size", 4, "--log-every", 1]
     ref = tmp_path / "ref"
     run_script("train_biencoder.py", bi_args(tiny_model_dir, small_train_file, ref, *extra), nproc=nproc)
+    extra += ["--eval-beir", beir]
     run = tmp_path / "run"
     args = bi_args(tiny_model_dir, small_train_file, run, *extra)
     proc = launch("train_biencoder.py", args, nproc=nproc)
@@ -225,9 +227,7 @@ def test_sigterm_during_a_long_validation_saves_the_step_and_resumes_bitwise(tin
     assert not [r for r in read_jsonl(run / "metrics.jsonl") if r["split"] == "beir" and r["step"] == 2]  # left undone
     run_script("train_biencoder.py", args + ["--resume", "auto"], nproc=nproc)
     assert_same_run(ref, run)
-    evals = [[(r["step"], r["ndcg@10"], r["mrr@10"]) for r in read_jsonl(d / "metrics.jsonl") if r["split"] == "beir"]
-             for d in (ref, run)]
-    assert evals[0] == evals[1] and [e[0] for e in evals[0]] == [0, 2]
+    assert [r["step"] for r in read_jsonl(run / "metrics.jsonl") if r["split"] == "beir"] == [0, 2]
 
 
 # DDP killed with SIGKILL on 2 ranks, then resumed bitwise, is test_nodes's run (one agent per node)
