@@ -27,17 +27,19 @@ def parse_args(argv=None):
     return cli.parse(cli.biencoder_parser(__doc__), argv)  # every flag: retrieval_kit/cli.py, docs/flags.md
 
 
-def validation(model, val_records, retrieval, val_score, tokenizer, settings, dims, ctx, args, ema=None):
+def validation(model, val_records, retrieval, val_score, tokenizer, settings, dims, ctx, args, ema=None,
+               per_query=None):
     """{log prefix: metrics} of one validation: the fixed groups (val/*), the retrieval sets (beir/*:
-    --eval-beir, dev/*: --dev-queries; {name}_dim{d}/* for each Matryoshka size); with `ema`
-    (--validate-ema) the same of the average (ema_*)."""
+    --eval-beir, dev/*: --dev-queries, guard_<name>/*: --guard-beir; {name}_dim{d}/* for each Matryoshka
+    size; `per_query` filled with each set's per-query metrics); with `ema` (--validate-ema) the same of
+    the average (ema_*)."""
     ema = ema if args.validate_ema else None
     out = {}
     if val_records:
         out["val"] = loop.validate_groups(model, val_records, args.val_n_passages, args.val_batch_size, ctx, val_score)
     for name, corpus in retrieval.items():
         out.update(evaluate.beir_metrics(model, tokenizer, settings, corpus, args.eval_k, args.val_batch_size,
-                                         ctx.device, dims, ctx.is_main, name))
+                                         ctx.device, dims, ctx.is_main, name, per_query))
     if ema is not None:
         with ema.swapped():
             out.update({f"ema_{k}": v for k, v in validation(model, val_records, retrieval, val_score, tokenizer,
@@ -57,6 +59,7 @@ def main():
     files, val_records, args.train_mixture, dev = records.read_train_val(  # [TrainFile]: each its records; dev:
         cli.data_spec(args, cli.BIENCODER_PROMPT_KEYS), ctx.world_size)  # --dev-queries; the mixture: in the args
     retrieval = {k: v for k, v in (("beir", args.eval_beir and evaluate.load_beir(args.eval_beir)), ("dev", dev)) if v}
+    retrieval.update({name: evaluate.load_beir(d) for name, d in cli.guard_names(args).items()})  # --guard-beir
     gather = args.gather_negatives if args.gather_negatives is not None else ctx.world_size > 1
 
     # ----- the head (the kind of model), once; the model in the storage dtype; resume, part 1 --------
@@ -160,8 +163,9 @@ def main():
                          card=model_card("biencoder", model_dir, args.train_mixture, state.step,
                                          cli.loss_summary(args, gather, dims[0]), logger.last))
     if args.merge_alphas:  # --merge-alphas: final/ becomes its merge with the base, the alpha chosen on dev/*
-        merge.dev_merge(final, model_dir, args.merge_alphas, args.merge_tolerance, lambda m, t, s: validation(
-            head.embedder(m, s).eval(), [], retrieval, None, t, s, (), ctx, args), ctx.device)
+        merge.dev_merge(final, model_dir, args.merge_alphas, args.merge_tolerance, lambda m, t, s, pq: validation(
+            head.embedder(m, s).eval(), [], retrieval, None, t, s, (), ctx, args, per_query=pq), ctx.device,
+            args.guard_margin)
     loop.end_run(logger, f"exported the bi-encoder to {final}")
 
 

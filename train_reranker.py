@@ -47,6 +47,15 @@ def set_padding_side(tokenizer, padding_side, head):
     return tokenizer
 
 
+def prepare_net(tokenizer, net, bidirectional):
+    """A pad token where the tokenizer has none (a decoder's: models.setup_pad_token); --bidirectional: every
+    position attends to every other (models.make_bidirectional)."""
+    setup_pad_token(tokenizer, net)
+    if bidirectional:
+        make_bidirectional(net)
+    return net
+
+
 def resolve_template(template, config):
     """--prompt-template (or a --train-mix line's "prompt_template"): 'auto' = 'pair' for encoders,
     the default template for decoders; a preset's name (collate.TEMPLATE_PRESETS) = its template."""
@@ -88,10 +97,11 @@ def warn_if_tokenization_changed(meta, settings):
         dist.print0(f"warning: tokenization differs from the checkpoint's (saved, now): {changed}")
 
 
-def validation(eval_model, val_records, dev, val_score, tokenizer, tok_settings, ctx, args, ema=None):
+def validation(eval_model, val_records, dev, val_score, tokenizer, tok_settings, ctx, args, ema=None, per_query=None):
     """{log prefix: metrics} of one validation: the fixed groups (val/*) and the dev pipeline
-    (--dev-queries: dev/*, dev_fused/*, dev_best/*; evaluate.RerankDev); with `ema` (--validate-ema) the
-    same of the average (ema_*)."""
+    (--dev-queries: dev/*, dev_fused/*, dev_best/*; --guard-beir: guard_<name>/*, ...; evaluate.RerankDev;
+    `per_query` filled with each set's per-query metrics); with `ema` (--validate-ema) the same of the
+    average (ema_*)."""
     ema = ema if args.validate_ema else None
     out = {}
     if val_records:
@@ -99,7 +109,7 @@ def validation(eval_model, val_records, dev, val_score, tokenizer, tok_settings,
                                           val_score)
     if dev:
         out.update(dev.metrics(eval_model, tokenizer, tok_settings, args.val_batch_size * args.val_n_passages,
-                               ctx.device))  # forwards as large as the groups'
+                               ctx.device, per_query))  # forwards as large as the groups'
     if ema is not None:
         with ema.swapped():
             out.update({f"ema_{k}": v for k, v in validation(eval_model, val_records, dev, val_score, tokenizer,
@@ -118,7 +128,8 @@ def main():
     # ----- data: read and validate everything before any model is loaded -----------------------
     files, val_records, args.train_mixture, dev = records.read_train_val(  # [TrainFile]: each its records; dev:
         cli.data_spec(args, cli.RERANKER_PROMPT_KEYS), ctx.world_size)  # --dev-queries; the mixture: in the args
-    dev = dev and evaluate.RerankDev(dev, args.dev_biencoder, args.val_batch_size, ctx.device, ctx.is_main)
+    dev = (dev or args.guard_beir) and evaluate.RerankDev(dev, args.dev_biencoder, args.val_batch_size, ctx.device,
+                                                          ctx.is_main, cli.guard_names(args))  # and --guard-beir
 
     # ----- model in the storage dtype, how pairs become tokens; resume, part 1: weights -> cast ---
     storage_dtype, compute_dtype, autocast_dtype = cli.precision_dtypes(args)  # precision.resolve
@@ -129,9 +140,7 @@ def main():
     net, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
         functools.partial(head.load, model_dir, storage_dtype, **cli.load_settings(args)), args.parallel == "fsdp2", ctx)
     lm_ids = head.token_ids(tokenizer, args.lm_tokens)  # lm: the [true, false] vocabulary rows the score reads
-    setup_pad_token(tokenizer, net)
-    if args.bidirectional:
-        make_bidirectional(net)
+    prepare_net(tokenizer, net, args.bidirectional)  # a decoder's pad token; --bidirectional
     template = resolve_template(args.prompt_template, net.config)
     layout = run_layout(tokenizer, template, args.append_eos, args.rerank_max_length, net.config,  # every pair's ids
                         args.pad_to_multiple_of)
@@ -224,8 +233,9 @@ def main():
                     card=model_card("reranker", model_dir, args.train_mixture, state.step, cli.loss_summary(args),
                                     logger.last), seq_cls=args.export_seq_cls)  # --export-seq-cls: also final/seq_cls
     if args.merge_alphas:  # --merge-alphas: final/ becomes its merge with the base, the alpha chosen on dev/*
-        merge.dev_merge(final, model_dir, args.merge_alphas, args.merge_tolerance, lambda m, t, s: {"dev": dev.metrics(
-            head.scorer(m, s["pooling"], s.get("lm_token_ids")).eval(), t, s, args.val_batch_size, ctx.device)["dev"]})
+        merge.dev_merge(final, model_dir, args.merge_alphas, args.merge_tolerance, lambda m, t, s, pq: dev.metrics(
+            head.scorer(m, s["pooling"], s.get("lm_token_ids")).eval(), t, s, args.val_batch_size, ctx.device, pq),
+            ctx.device, args.guard_margin)
     loop.end_run(logger, f"exported the reranker to {final}")
 
 

@@ -273,12 +273,15 @@ def add_average_args(parser):
     flag(g, "--export-ema", action="store_true", neutral=True, help="export the average instead of the last weights")
     flag(g, "--merge-alphas", type=flags.listed(flags.fraction), default=None, neutral=True,
          help="after the export: each alpha's merge with the base model, (1 - alpha) x base + alpha x tuned, scored on "
-              "the dev split (--dev-queries), and the smallest alpha within --merge-tolerance of the best nDCG@10 "
-              "exported, every candidate's scores recorded (--eval-beir sets reported, never used to choose); e.g. "
+              "the dev split (--dev-queries) and the guard (--guard-beir); exported: the smallest alpha that a paired "
+              "randomization test over the dev queries does not find worse than the best (the best when the dev set "
+              "cannot tell them apart; none that loses the guard while another holds it), every candidate's scores, "
+              "standard errors and p-values recorded (--eval-beir sets reported, never used to choose); e.g. "
               "0.2,0.4,0.6,0.8,1.0 (python -m retrieval_kit.merge does the same for any exports; default off)")
     flag(g, "--merge-tolerance", type=flags.fraction, default=None, neutral=True,
-         help="with --merge-alphas: keep the smallest alpha whose dev nDCG@10 is within this of the best (default "
-              "0.005: half a point)")
+         help="with --merge-alphas: keep the smallest alpha whose dev nDCG@10 is within this of the best, instead of "
+              "the default rule: the smallest alpha that a paired randomization test over the dev queries does not "
+              "find worse than the best, the best itself when the dev set cannot tell them apart (docs/pipeline.md)")
 
 
 # ----- precision ---------------------------------------------------------------------------------
@@ -449,6 +452,14 @@ def add_dev_args(g, reranker=False):
     flag(g, "--dev-corpus-size", type=flags.nonneg_int, default=10000,
          help="--dev-queries' corpus: the held-out groups' passages plus a seeded sample of other training "
               "passages up to this many (0 = all; default 10000)")
+    flag(g, "--guard-beir", type=flags.listed(str), default=None, neutral=True,
+         help="BEIR folders of other domains (e.g. data/ood): what the base knew. Scored at every validation (the "
+              "base's at step 0) as guard_<folder>/*" + (", reranking --dev-biencoder's top 10" if reranker else "") +
+              "; --merge-alphas never chooses a candidate whose guard nDCG@10 falls more than --guard-margin below "
+              "alpha 0's while another holds it (default off)")
+    flag(g, "--guard-margin", type=flags.fraction, default=None, neutral=True,
+         help="with --guard-beir: how far below alpha 0's guard nDCG@10 a merge candidate may fall (default: alpha 0's "
+              "own bootstrap standard error on the guard queries)")
     if reranker:
         flag(g, "--dev-biencoder", type=flags.model_path, default=None,
              help="--dev-queries: a bi-encoder export that retrieves each dev query's top 20 once; each validation "
@@ -496,7 +507,13 @@ def run_inputs(args):
     """[(flag, path)] of what a training run reads: the run folder is none of them (outputs.check_inputs)."""
     return [("--model", args.model), *[("--train-file", f) for f in args.train_file], ("--train-mix", args.train_mix),
             ("--val-file", args.val_file), ("--corpus", args.corpus),
-            ("--eval-beir", getattr(args, "eval_beir", None)), ("--dev-biencoder", getattr(args, "dev_biencoder", None))]
+            ("--eval-beir", getattr(args, "eval_beir", None)), ("--dev-biencoder", getattr(args, "dev_biencoder", None)),
+            *[("--guard-beir", g) for g in args.guard_beir or []]]
+
+
+def guard_names(args):
+    """{log prefix: folder} of --guard-beir: guard_<the folder's name>."""
+    return {f"guard_{os.path.basename(os.path.normpath(d))}": d for d in args.guard_beir or []}
 
 
 def resume_request(args):
@@ -638,10 +655,9 @@ def validation_splits(args):
         splits += ["beir"]
     if args.dev_queries:
         splits += ["dev", "dev_fused", "dev_best"] if getattr(args, "rerank_max_length", None) else ["dev"]
+    for name in guard_names(args):
+        splits += [name, f"{name}_fused", f"{name}_best"] if getattr(args, "rerank_max_length", None) else [name]
     return splits
-
-
-MERGE_TOLERANCE = 0.005  # --merge-tolerance's default: half a point of dev nDCG@10
 
 
 def parse(parser, argv=None):
@@ -703,8 +719,17 @@ def parse(parser, argv=None):
     if args.merge_tolerance is not None and not args.merge_alphas:
         raise SystemExit("--merge-tolerance: only with --merge-alphas (no merge weight is chosen without it): drop the "
                          "flag, or give --merge-alphas")
-    if args.merge_alphas and args.merge_tolerance is None:
-        args.merge_tolerance = MERGE_TOLERANCE
+    if args.guard_margin is not None and not args.guard_beir:
+        raise SystemExit("--guard-margin: only with --guard-beir (no guard is scored without it): drop the flag")
+    if args.merge_tolerance is not None and args.guard_beir and args.merge_alphas:
+        raise SystemExit("--merge-tolerance with --guard-beir: the tolerance rule reads dev alone; drop "
+                         "--merge-tolerance for the default rule (a paired test on dev), which the guard completes")
+    if len(guard_names(args)) < len(args.guard_beir or []):
+        raise SystemExit(f"--guard-beir {','.join(args.guard_beir)}: two folders of one name; each logs as "
+                         "guard_<its name>: give folders of different names")
+    if args.guard_beir and getattr(args, "rerank_max_length", None) and not args.dev_biencoder:
+        raise SystemExit("--guard-beir: a reranker's guard sets are retrieved by --dev-biencoder, then reranked: give "
+                         "--dev-biencoder")
     if args.merge_alphas and not args.dev_queries:
         raise SystemExit("--merge-alphas: the alpha is chosen on the dev split: give --dev-queries" +
                          (" and --dev-biencoder" if getattr(args, "rerank_max_length", None) else ""))

@@ -136,16 +136,30 @@ def retrieve_dims(model, tokenizer, settings, beir, dims, k=100, batch_size=64, 
     return runs
 
 
+def with_se(run, qrels, per_query=None, metric="ndcg@10"):
+    """retrieval_metrics of `run`, with the bootstrap standard error of `metric` over the queries
+    (`metric`_se: how far apart two models must be before this set can tell them apart); `per_query` (a
+    dict) filled with each query's metrics."""
+    from .metrics import bootstrap_se
+
+    each = {} if per_query is None else per_query
+    out = retrieval_metrics(run, qrels, per_query=each)
+    out[f"{metric}_se"] = bootstrap_se([each[q][metric] for q in sorted(each)])
+    return out
+
+
 def beir_metrics(model, tokenizer, settings, beir, k=100, batch_size=64, device="cpu", dims=(), progress=False,
-                 name="beir"):
+                 name="beir", per_query=None):
     """{log prefix: retrieval metrics}: `name` ("beir"; "dev" for --dev-queries) for the whole
-    embedding, "{name}_dim{d}" for each Matryoshka size in `dims` below it; `progress`: encoding
-    progress bars (rank 0)."""
+    embedding, with nDCG@10's standard error (with_se), "{name}_dim{d}" for each Matryoshka size in `dims`
+    below it; `progress`: encoding progress bars (rank 0); `per_query` (a dict): its `name` entry filled
+    with the whole embedding's per-query metrics."""
     sizes = [None] + [d for d in dims if d is not None]
     settings = {**settings, **heads.get(settings["head"]).serving(settings)}  # queries read as the export will
     stats = {}
     runs = retrieve_dims(model, tokenizer, settings, beir, sizes, k, batch_size, device, progress, stats)
-    out = {name if d is None else f"{name}_dim{d}": retrieval_metrics(run, beir[3]) for d, run in runs.items()}
+    out = {name: with_se(runs.pop(None), beir[3], None if per_query is None else per_query.setdefault(name, {}))}
+    out.update({f"{name}_dim{d}": retrieval_metrics(run, beir[3]) for d, run in runs.items()})
     out[name].update(stats)  # --head sparse: active dimensions, index size
     return out
 
@@ -224,40 +238,61 @@ class RerankDev:
     export retrieves each dev query's top max(FUSION_TOP_K) once; at each validation the reranker
     scores them, and every (fusion weight, top k) of the grid is scored from those scores. Logged:
     dev/* (the reranker alone on the top 10), dev_fused/* (weight 0.5, top 10, the evaluate defaults)
-    and dev_best/* (the grid's best on ndcg@10, with its weight and top_k). A weight of 0 is a
-    legitimate best: the reranker does not pay on this data."""
+    and dev_best/* (the grid's best on ndcg@10, with its weight and top_k), each with nDCG@10's standard
+    error. A weight of 0 is a legitimate best: the reranker does not pay on this data. `guards` ({log
+    prefix: BEIR folder}, --guard-beir): read here, scored alike under their own prefixes; `dev` may be None
+    (guards alone)."""
 
-    def __init__(self, dev, biencoder_dir, batch_size, device, progress=False):
+    def __init__(self, dev, biencoder_dir, batch_size, device, progress=False, guards=None):
+        guards = {k: load_beir(d) for k, d in (guards or {}).items()}  # (read and checked before any model loads)
         enc, tok, settings, _ = load_biencoder(biencoder_dir, device=device)  # (a reranker export: one sentence)
-        self.dev, self.k = dev, max(FUSION_TOP_K)
-        self.run = retrieve(enc, tok, settings, dev, self.k, batch_size, device, progress)
+        self.sets = {k: v for k, v in {"dev": dev, **guards}.items() if v is not None}
+        self.k = max(FUSION_TOP_K)
+        self.runs = {k: retrieve(enc, tok, settings, b, self.k, batch_size, device, progress) for k, b in self.sets.items()}
         self.best, self.batch_size = None, 32  # pairs per forward: the last metrics call's
 
     @torch.no_grad()
-    def metrics(self, model, tokenizer, settings, batch_size=32, device="cpu"):
-        """{log prefix: metrics} of the current reranker (`batch_size` pairs per forward); keeps the
-        grid's best as `best`."""
+    def metrics(self, model, tokenizer, settings, batch_size=32, device="cpu", per_query=None):
+        """{log prefix: metrics} of the current reranker on every set (`batch_size` pairs per forward); keeps
+        the dev grid's best as `best`; `per_query` (a dict): each set's entry filled with the per-query metrics
+        of the reranker alone (dev/*, guard_*/*)."""
+        self.batch_size = batch_size
+        out = {}
+        for name in self.sets:
+            grid = self._grid(name, model, tokenizer, settings, batch_size, device, per_query)
+            best = self._best(grid, name == "dev")
+            out.update({name: grid[1.0, 10], f"{name}_fused": grid[0.5, 10],
+                        f"{name}_best": {**grid[best["weight"], best["top_k"]], **best}})
+        return out
+
+    def _best(self, grid, keep):
+        (w, k), best = max(grid.items(), key=lambda kv: (kv[1]["ndcg@10"], -kv[0][0]))  # ties: the lighter weight
+        if keep:
+            self.best = {"weight": w, "top_k": k, "ndcg@10": best["ndcg@10"]}
+        return {"weight": w, "top_k": k}
+
+    def _grid(self, name, model, tokenizer, settings, batch_size, device, per_query):
         from .dist import rank as get_rank, world_size
 
-        self.batch_size = batch_size
-
-        ids, texts, queries, qrels = self.dev
-        heads = {q: rank_docs(self.run[q])[:self.k] for q in shard(sorted(self.run), get_rank(), world_size())}
+        (ids, texts, queries, qrels), run = self.sets[name], self.runs[name]
+        heads = {q: rank_docs(run[q])[:self.k] for q in shard(sorted(run), get_rank(), world_size())}
         scores = score_heads(model, tokenizer, settings, heads, queries, dict(zip(ids, texts)), batch_size, device)
         mine = gather_runs({q: (head, scores[q]) for q, head in heads.items()})
-        bi = {q: torch.tensor([self.run[q][d] for d in ranked]) for q, (ranked, _) in mine.items()}
+        bi = {q: torch.tensor([run[q][d] for d in ranked]) for q, (ranked, _) in mine.items()}
         grid = {}
         for w in FUSION_WEIGHTS:
             for k in FUSION_TOP_K:
-                run = {q: reorder(ranked, fuse_scores(s[:k], bi[q][:k], w)) for q, (ranked, s) in mine.items()}
-                grid[w, k] = retrieval_metrics(run, qrels)
-        (w, k), best = max(grid.items(), key=lambda kv: (kv[1]["ndcg@10"], -kv[0][0]))  # ties: the lighter weight
-        self.best = {"weight": w, "top_k": k, "ndcg@10": best["ndcg@10"]}
-        return {"dev": grid[1.0, 10], "dev_fused": grid[0.5, 10], "dev_best": {**best, "weight": w, "top_k": k}}
+                fused = {q: reorder(ranked, fuse_scores(s[:k], bi[q][:k], w)) for q, (ranked, s) in mine.items()}
+                alone = per_query is not None and (w, k) == (1.0, 10)
+                grid[w, k] = with_se(fused, qrels, per_query.setdefault(name, {}) if alone else None)
+        return grid
 
     def choose(self, model, tokenizer, settings, device="cpu"):
-        """The grid's best (weight, top_k, ndcg@10) for the weights about to be exported; said in one line."""
-        self.metrics(model, tokenizer, settings, self.batch_size, device)
+        """The dev grid's best (weight, top_k, ndcg@10) for the weights about to be exported; said in one line
+        (None without a dev set: guards alone)."""
+        if "dev" not in self.sets:
+            return None
+        self._best(self._grid("dev", model, tokenizer, settings, self.batch_size, device, None), True)
         from .dist import print0
 
         print0(f"dev: fusion weight {self.best['weight']:g}, top {self.best['top_k']} (ndcg@10 {self.best['ndcg@10']:.4f})"

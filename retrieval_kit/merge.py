@@ -285,33 +285,76 @@ def not_ours(out):
 
 # ----- the weight chosen on dev --------------------------------------------------------------------
 
-def choose(candidates, score, tolerance=0.005, metric=("dev", "ndcg@10")):
-    """Score each (alpha, state-loading function) of `candidates` (score() -> {split: metrics} after the
-    state is loaded) and keep the smallest alpha within `tolerance` of the best `metric`. Returns (chosen
-    alpha, [{"alpha", split: metrics}, ...])."""
-    rows = []
+GUARD = "guard"  # the splits of a score named guard* are the guard (--guard-beir)
+
+
+def values(per_query, split, metric="ndcg@10"):
+    """One split's per-query `metric`, in query-id order (the same queries for every candidate)."""
+    return [per_query[split][q][metric] for q in sorted(per_query[split])]
+
+
+def guard_values(per_query, metric="ndcg@10"):
+    """Every guard split's per-query values, one after the other; None without a guard."""
+    splits = sorted(s for s in per_query if s.startswith(GUARD))
+    return [v for s in splits for v in values(per_query, s, metric)] if splits else None
+
+
+def choose(candidates, score, tolerance=None, base=None, guard_margin=None, metric=("dev", "ndcg@10")):
+    """Score each (alpha, state-loading function) of `candidates` - score(per_query) -> {split: metrics} once
+    the state is loaded, filling `per_query` with {split: {qid: metrics}} - and choose an alpha. By default
+    the rule of retrieval_kit/choice.py over the dev queries: the closest to the base (the smallest alpha) that
+    a paired test does not find worse than the best; the best when dev cannot tell them apart; with guard
+    splits (--guard-beir), none that loses more than `guard_margin` of alpha 0's guard score (`base`: the
+    loading function of alpha 0, scored for it when no candidate is 0). With an explicit `tolerance`, the
+    smallest alpha within it of the best dev `metric`, as before. Returns (chosen alpha, rows: {"alpha",
+    split: metrics, "choice": the rule's row})."""
+    from .choice import choose as rule
+
+    rows, per = [], []
     for alpha, apply in sorted(candidates, key=lambda c: c[0]):
         apply()
-        rows.append({"alpha": alpha, **score()})
-    best = max(r[metric[0]][metric[1]] for r in rows)
-    chosen = next(r["alpha"] for r in rows if r[metric[0]][metric[1]] >= best - tolerance)
-    return chosen, rows
+        pq = {}
+        rows.append({"alpha": alpha, **score(pq)})
+        per.append(pq)
+    if tolerance is not None:
+        best = max(r[metric[0]][metric[1]] for r in rows)
+        return next(r["alpha"] for r in rows if r[metric[0]][metric[1]] >= best - tolerance), rows
+    guard_base = None
+    if guard_values(per[0]) is not None:
+        if rows[0]["alpha"] != 0.0:
+            base()
+            score(pq := {})
+            guard_base = guard_values(pq, metric[1])
+        else:
+            guard_base = guard_values(per[0], metric[1])
+    chosen, table = rule([{"name": r["alpha"], "dev": values(pq, metric[0], metric[1]),
+                           "guard": guard_values(pq, metric[1])} for r, pq in zip(rows, per)],
+                         guard_base=guard_base, guard_margin=guard_margin)
+    for r, t in zip(rows, table):
+        r["choice"] = {k: v for k, v in t.items() if k != "name"}
+    return rows[chosen]["alpha"], rows
 
 
 def describe(chosen, rows, metric=("dev", "ndcg@10")):
-    lines = [f"merge with the base, chosen on {metric[0]}/{metric[1]}: alpha {chosen:g} (the smallest within the "
-             "tolerance of the best)"]
+    said = next((r["choice"].get("chosen") for r in rows if r["alpha"] == chosen and "choice" in r), None)
+    lines = [f"merge with the base, chosen on {metric[0]}/{metric[1]}: alpha {chosen:g} (" +
+             (said or "the smallest within the tolerance of the best") + ")"]
     for r in rows:
+        c = r.get("choice", {})
+        extra = (f" +- {c['dev_se']:.4f}" if "dev_se" in c else "") + (
+            f", p {c['p_worse_than_best']:.3f} that it is worse than the best" if "p_worse_than_best" in c else "") + (
+            f", guard {c['guard']:.4f}{'' if c['guard_ok'] else ' (below the floor)'}" if "guard" in c else "")
         lines.append(f"  alpha {r['alpha']:g}: " + ", ".join(f"{s}/{metric[1]} {m[metric[1]]:.4f}" for s, m in r.items()
-                                                              if s != "alpha" and metric[1] in m))
+                                                              if s not in ("alpha", "choice") and metric[1] in m) + extra)
     return "\n".join(lines)
 
 
-def dev_merge(final, base_dir, alphas, tolerance, score, device="cpu"):
+def dev_merge(final, base_dir, alphas, tolerance, score, device="cpu", guard_margin=None):
     """A run's --merge-alphas, after its export: each alpha's merge of `final` with the run's base scored by
-    `score(model, tokenizer, settings)` -> {split: metrics} (the dev split first; --eval-beir reported);
-    `final` rewritten as the chosen merge, the choice and every candidate's scores recorded there.
-    Every rank takes part (the scoring is sharded like evaluation's). Returns the record."""
+    `score(model, tokenizer, settings, per_query)` -> {split: metrics} (the dev split first; --eval-beir
+    reported; --guard-beir as guard*), filling per_query (choose); `final` rewritten as the chosen merge, the
+    choice and every candidate's scores recorded there. Every rank takes part (the scoring is sharded like
+    evaluation's). Returns the record."""
     model, tok, settings, head = load(final)
     tuned = {k: v.clone() for k, v in model.state_dict().items()}
     check_finite(tuned, final)
@@ -322,11 +365,14 @@ def dev_merge(final, base_dir, alphas, tolerance, score, device="cpu"):
 
     def candidate(alpha):
         return alpha, lambda: model.load_state_dict(interpolate(base, tuned, alpha))
-    chosen, rows = choose([candidate(a) for a in alphas], lambda: score(model, tok, settings), tolerance)
+    chosen, rows = choose([candidate(a) for a in alphas], lambda pq: score(model, tok, settings, pq), tolerance,
+                          candidate(0.0)[1], guard_margin)
     dist.print0(describe(chosen, rows))
     model.to("cpu").load_state_dict(interpolate(base, tuned, chosen))
     record = {"formula": "(1 - alpha) * base + alpha * tuned", "base": base_dir, "alpha": chosen,
-              "chosen_on": "dev/ndcg@10", "tolerance": tolerance, "candidates": rows}
+              "chosen_on": "dev/ndcg@10", **({"tolerance": tolerance} if tolerance is not None else
+                                            {"rule": "paired randomization test over the dev queries (choice.py)"}),
+              "candidates": rows}
     write(final, model, tok, settings, head, record, adapter and (adapter, chosen))  # (collective: rank 0 writes,
     return record  # staged, over the run's own export)
 
@@ -352,9 +398,18 @@ def main(argv=None):
                     "candidate, never used to choose (repeatable)")
     ap.add_argument("--biencoder", default=None, help="rerankers: the bi-encoder export whose top 10 of --dev-beir "
                     "the candidates rerank")
+    ap.add_argument("--guard-beir", type=flags.listed(str), default=None,
+                    help="BEIR folders of other domains (e.g. data/ood), scored for alpha 0 and every candidate: one "
+                         "whose guard nDCG@10 falls more than --guard-margin below alpha 0's is not chosen while another "
+                         "holds it")
+    ap.add_argument("--guard-margin", type=flags.fraction, default=None,
+                    help="with --guard-beir: how far below alpha 0's guard nDCG@10 a candidate may fall (default: alpha "
+                         "0's own bootstrap standard error on the guard queries)")
     ap.add_argument("--tolerance", type=flags.fraction, default=None,
-                    help="with several --alpha: keep the smallest alpha within this of the best dev nDCG@10 (default "
-                         "0.005, 0.5 points)")
+                    help="with several --alpha: keep the smallest alpha within this of the best dev nDCG@10, instead "
+                         "of the default rule: the smallest alpha a paired randomization test over the dev queries does "
+                         "not find worse than the best, the best when the dev set cannot tell them apart "
+                         "(docs/pipeline.md)")
     ap.add_argument("--out", required=True, help="the merged export to write (a new or empty folder, or an earlier "
                     "merge)")
     a = ap.parse_args(argv)
@@ -373,13 +428,19 @@ def main(argv=None):
         ap.error(f"--weights: {len(a.weights)} for {len(a.models or [])} --models")
     choosing = len(a.alpha or []) > 1
     for flag, given in (("--dev-beir", a.dev_beir), ("--report-beir", a.report_beir), ("--biencoder", a.biencoder),
-                        ("--tolerance", a.tolerance is not None)):
+                        ("--tolerance", a.tolerance is not None), ("--guard-beir", a.guard_beir),
+                        ("--guard-margin", a.guard_margin is not None)):
         if given and not choosing:
             ap.error(f"{flag}: only when several --alpha are chosen among on --dev-beir (this merge " +
                      ("averages --models" if many else f"has the one alpha {a.alpha[0]:g}") + "): drop the flag")
-    a.tolerance = 0.005 if a.tolerance is None else a.tolerance
+    if a.guard_margin is not None and not a.guard_beir:
+        ap.error("--guard-margin: only with --guard-beir (no guard is scored without it): drop the flag")
+    if a.tolerance is not None and a.guard_beir:
+        ap.error("--tolerance with --guard-beir: the tolerance rule reads dev alone; drop --tolerance for the paired "
+                 "rule, which the guard completes")
     ins = [("--tuned", a.tuned), ("--base", a.base), *[("--models", m) for m in a.models or []],
-           ("--dev-beir", a.dev_beir), ("--biencoder", a.biencoder), *[("--report-beir", r) for r in a.report_beir]]
+           ("--dev-beir", a.dev_beir), ("--biencoder", a.biencoder), *[("--report-beir", r) for r in a.report_beir],
+           *[("--guard-beir", g) for g in a.guard_beir or []]]
     for flag, path in ins:
         if path and not (os.path.isdir(path) or (flag == "--models" and os.path.isfile(path))):
             ap.error(f"{flag} {path}: no such folder")
@@ -406,12 +467,16 @@ def main(argv=None):
         record = {"formula": "(1 - alpha) * base + alpha * tuned", "base": a.base, "tuned": a.tuned,
                   "kept_from_tuned": kept}
         if len(a.alpha) > 1:
-            scorer = scoring(settings, head, a.dev_beir, a.report_beir, a.biencoder, ctx.device)
+            scorer = scoring(settings, head, a.dev_beir, a.report_beir, a.biencoder, ctx.device, a.guard_beir)
             model.to(ctx.device)
-            chosen, rows = choose([(x, lambda x=x: model.load_state_dict(interpolate(base, tuned, x))) for x in a.alpha],
-                                  lambda: scorer(model, tok, settings), a.tolerance)
+            at = lambda x: lambda: model.load_state_dict(interpolate(base, tuned, x))  # noqa: E731
+            chosen, rows = choose([(x, at(x)) for x in a.alpha], lambda pq: scorer(model, tok, settings, pq),
+                                  a.tolerance, at(0.0), a.guard_margin)
             dist.print0(describe(chosen, rows))
-            record.update(alpha=chosen, chosen_on=f"{a.dev_beir} ndcg@10", tolerance=a.tolerance, candidates=rows)
+            record.update(alpha=chosen, chosen_on=f"{a.dev_beir} ndcg@10", candidates=rows,
+                          **({"tolerance": a.tolerance} if a.tolerance is not None else
+                             {"rule": "paired randomization test over the dev queries (choice.py)",
+                              "guard": a.guard_beir, "guard_margin": a.guard_margin}))
             model.to("cpu")
         else:
             record["alpha"] = a.alpha[0]
@@ -445,27 +510,29 @@ def main(argv=None):
     dist.cleanup()
 
 
-def scoring(settings, head, dev_beir, report_beir, biencoder, device):
-    """score(model, tokenizer, settings) -> {"dev": metrics, report dir: metrics}: a bi-encoder's retrieval
-    nDCG@10 on each set; a reranker's, reranking `biencoder`'s top 10 alone."""
-    from .evaluate import load_beir, load_biencoder, rerank, retrieve
-    from .metrics import retrieval_metrics
+def scoring(settings, head, dev_beir, report_beir, biencoder, device, guard_beir=None):
+    """score(model, tokenizer, settings, per_query) -> {"dev": metrics, report dir: metrics, "guard_<dir>":
+    metrics}: a bi-encoder's retrieval metrics on each set (with the standard error of nDCG@10); a reranker's,
+    reranking `biencoder`'s top 10 alone; `per_query` filled with each set's per-query metrics (choose)."""
+    from .evaluate import load_beir, load_biencoder, rerank, retrieve, with_se
 
-    sets = {"dev": load_beir(dev_beir), **{r: load_beir(r) for r in report_beir}}
+    sets = {"dev": load_beir(dev_beir), **{r: load_beir(r) for r in report_beir},
+            **{f"{GUARD}_{os.path.basename(os.path.normpath(g))}": load_beir(g) for g in guard_beir or []}}
     if settings.get("kind") != "reranker":
-        def score(model, tok, s):
+        def score(model, tok, s, per_query):
             embedder = head.embedder(model, s).eval()
-            return {k: retrieval_metrics(retrieve(embedder, tok, s, b, device=device), b[3]) for k, b in sets.items()}
+            return {k: with_se(retrieve(embedder, tok, s, b, device=device), b[3], per_query.setdefault(k, {}))
+                    for k, b in sets.items()}
         return score
     if not biencoder:
         raise SystemExit("--dev-beir with a reranker: give --biencoder, the export whose top 10 it reranks")
     enc, etok, es, _ = load_biencoder(biencoder, device=device)
     runs = {k: retrieve(enc, etok, es, b, device=device) for k, b in sets.items()}
 
-    def score(model, tok, s):
+    def score(model, tok, s, per_query):
         scorer = head.scorer(model, s.get("pooling", "native"), s.get("lm_token_ids")).eval()
-        return {k: retrieval_metrics(rerank(runs[k], scorer, tok, s, b, 10, device=device, weight=1.0), b[3])
-                for k, b in sets.items()}
+        return {k: with_se(rerank(runs[k], scorer, tok, s, b, 10, device=device, weight=1.0), b[3],
+                           per_query.setdefault(k, {})) for k, b in sets.items()}
     return score
 
 

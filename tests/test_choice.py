@@ -84,3 +84,87 @@ def test_a_candidate_that_loses_the_guard_is_not_chosen_while_another_holds_it()
     chosen, rows = choose([{"name": 0.6, "dev": NEAR, "guard": [0.5] * 40}, {"name": 1.0, "dev": BEST, "guard": lost}],
                           guard_base=guard_base)
     assert chosen == 0 and "the only candidate the guard leaves" in rows[0]["chosen"]
+
+
+# ----- the rule in the merge tool and in a run ------------------------------------------------------------------
+
+def top1(model_dir, beir):
+    """{qid: the doc the model ranks first} (the kit's retrieval)."""
+    from retrieval_kit.evaluate import load_biencoder, retrieve
+    from retrieval_kit.metrics import rank_docs
+
+    model, tok, settings, _ = load_biencoder(model_dir)
+    return {q: rank_docs(r)[0] for q, r in retrieve(model, tok, settings, beir).items()}
+
+
+def beir_with_qrels(folder, beir, qrels):
+    import json
+    import os
+
+    ids, texts, queries, _ = beir
+    os.makedirs(os.path.join(folder, "qrels"))
+    with open(os.path.join(folder, "corpus.jsonl"), "w") as f:
+        f.writelines(json.dumps({"_id": i, "title": "", "text": t}) + "\n" for i, t in zip(ids, texts))
+    with open(os.path.join(folder, "queries.jsonl"), "w") as f:
+        f.writelines(json.dumps({"_id": q, "text": queries[q]}) + "\n" for q in qrels)
+    with open(os.path.join(folder, "qrels", "test.tsv"), "w") as f:
+        f.write("query-id\tcorpus-id\tscore\n" + "".join(f"{q}\t{d}\t1\n" for q, d in qrels.items()))
+    return str(folder)
+
+
+@pytest.mark.slow
+def test_the_guard_changes_the_merge_tools_choice_and_the_record_says_why(tiny_model_dir, small_train_file,
+                                                                           small_beir, tmp_path):
+    """A set built to need the guard: dev judges each query's document the tuned model ranks first (and the base
+    does not), the guard the one the base ranks first (and the tuned model does not). Without the guard alpha
+    1 wins on dev; with it, alpha 1 loses the guard and is not chosen; the record says so."""
+    import json
+
+    from retrieval_kit.evaluate import load_beir
+    from tests.conftest import run_module, run_script
+
+    run_script("train_biencoder.py", ["--model", tiny_model_dir, "--train-file", small_train_file, "--val-file", "",
+                                      "--batch-size", 4, "--max-steps", 3, "--lr", 5e-2, "--query-max-length", 8,
+                                      "--passage-max-length", 32, "--output-dir", tmp_path / "run"])
+    tuned, beir = str(tmp_path / "run" / "final"), load_beir(small_beir)
+    base_top, tuned_top = top1(tiny_model_dir, beir), top1(tuned, beir)
+    moved = [q for q in base_top if base_top[q] != tuned_top[q]]
+    assert len(moved) >= 8, "the tuned model must rank differently from the base"
+    dev = beir_with_qrels(tmp_path / "dev", beir, {q: tuned_top[q] for q in moved})
+    guard = beir_with_qrels(tmp_path / "guard", beir, {q: base_top[q] for q in moved})
+    common = ["-m", "retrieval_kit.merge", "--base", tiny_model_dir, "--tuned", tuned, "--alpha", "0.5,1",
+              "--dev-beir", dev]
+    run_module([*common, "--out", tmp_path / "plain"])
+    run_module([*common, "--guard-beir", guard, "--out", tmp_path / "guarded"])
+    plain = json.load(open(tmp_path / "plain" / "retrieval_kit.json"))["merge"]
+    guarded = json.load(open(tmp_path / "guarded" / "retrieval_kit.json"))["merge"]
+    assert plain["alpha"] == 1.0 and plain["candidates"][1]["dev"]["ndcg@10"] == 1.0
+    assert guarded["alpha"] != 1.0
+    last = guarded["candidates"][-1]
+    assert last["alpha"] == 1.0 and last["choice"]["guard_ok"] is False and last["choice"]["guard"] < 0.5
+    said = next(c["choice"]["chosen"] for c in guarded["candidates"] if c["alpha"] == guarded["alpha"])
+    assert "guard" in said and guarded["guard"] == [guard]
+    assert all("dev_se" in c["choice"] and "ndcg@10_se" in c["dev"] for c in guarded["candidates"])
+
+
+@pytest.mark.slow
+def test_a_run_logs_every_dev_and_guard_number_with_its_error_and_records_its_choice(tiny_model_dir, small_train_file,
+                                                                                     small_beir, tmp_path):
+    import json
+
+    from tests.conftest import read_jsonl, run_script
+
+    run = tmp_path / "run"
+    run_script("train_biencoder.py", ["--model", tiny_model_dir, "--train-file", small_train_file, "--val-file", "",
+                                      "--batch-size", 4, "--max-steps", 2, "--dev-queries", 8, "--dev-corpus-size", 60,
+                                      "--guard-beir", small_beir, "--merge-alphas", "0.5,1", "--output-dir", run])
+    name = "guard_" + small_beir.rstrip("/").split("/")[-1]
+    rows = read_jsonl(run / "metrics.jsonl")
+    for split in ("dev", name):
+        got = [r for r in rows if r["split"] == split]
+        assert [r["step"] for r in got] == [0, 2] and all(r["ndcg@10_se"] >= 0 for r in got), (split, got)
+    record = json.load(open(run / "final" / "retrieval_kit.json"))["merge"]
+    assert record["rule"].startswith("paired randomization test")
+    assert all(name in c and "p_worse_than_best" in c["choice"] or not c["choice"]["guard_ok"]
+               for c in record["candidates"])
+    assert sum("chosen" in c["choice"] for c in record["candidates"]) == 1

@@ -143,7 +143,8 @@ def test_every_flag_the_docs_name_exists_somewhere():
     script's (a renamed or removed flag does not linger in a table)."""
     known = set(OTHER_TOOLS)
     for kind, name in [("file", "train_biencoder.py"), ("file", "train_reranker.py"), ("-m", "retrieval_kit.evaluate"),
-                       ("-m", "retrieval_kit.mine"), ("-m", "retrieval_kit.score"), ("-m", "retrieval_kit.plan")] + [
+                       ("-m", "retrieval_kit.mine"), ("-m", "retrieval_kit.score"), ("-m", "retrieval_kit.plan"),
+                       ("-m", "retrieval_kit.merge")] + [
             ("file", f"bench/{f}") for f in sorted(os.listdir(os.path.join(ROOT, "bench"))) if f.endswith(".py")
             and f != "__init__.py"]:
         known |= accepted_flags(kind, name)
