@@ -47,6 +47,13 @@ def validation(model, val_records, retrieval, val_score, tokenizer, settings, di
     return out
 
 
+def describe_run(ctx, files, val_records, args, storage_dtype, compute_dtype, encoder):
+    """The run in one line, under its header: world, data, the global batch, parallelism, dtypes, dropout."""
+    return (f"world {ctx.world_size} on {ctx.device}; {data.describe_files(files)}, {len(val_records)} val; "
+            f"{args.batch_size * ctx.world_size * args.grad_accum_steps} queries x {args.n_passages} passages per step; "
+            f"{args.parallel}, storage {storage_dtype}, compute {compute_dtype or storage_dtype}{dropout.describe(encoder)}")
+
+
 def main():
     args = parse_args()
 
@@ -58,8 +65,7 @@ def main():
     # ----- data: read and validate everything before any model is loaded -----------------------
     files, val_records, args.train_mixture, dev = records.read_train_val(  # [TrainFile]: each its records; dev:
         cli.data_spec(args, cli.BIENCODER_PROMPT_KEYS), ctx.world_size)  # --dev-queries; the mixture: in the args
-    retrieval = {k: v for k, v in (("beir", args.eval_beir and evaluate.load_beir(args.eval_beir)), ("dev", dev)) if v}
-    retrieval.update({name: evaluate.load_beir(d) for name, d in cli.guard_names(args).items()})  # --guard-beir
+    retrieval = evaluate.retrieval_sets(args.eval_beir, dev, cli.guard_names(args))  # beir, dev, guard_* (BEIR sets)
     gather = args.gather_negatives if args.gather_negatives is not None else ctx.world_size > 1
 
     # ----- the head (the kind of model), once; the model in the storage dtype; resume, part 1 --------
@@ -82,6 +88,10 @@ def main():
     # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------
     model, eval_model = dist.wrap(head.embedder(encoder, settings, args.pad_to_multiple_of), encoder, ctx,
                                   mp_policy=precision.mp_policy(compute_dtype), source=source, **cli.wrap_settings(args))
+    if dev and args.dev_neighbours:  # each dev query's nearest training passages by the base join the dev corpus
+        retrieval["dev"] = evaluate.add_neighbours(dev, records.passage_pool(files), args.dev_neighbours, lambda b, k: (
+            evaluate.retrieve(eval_model, tokenizer, settings, b, k, args.val_batch_size, ctx.device)), args.output_dir,
+            not resume_dir)  # (mined on a fresh start, read back from the run folder on resume)
 
     # ----- optimizer, schedule; resume, part 2: optimizer -> scheduler -> loop state ------------
     optimizer = optim.build_optimizer(optim.param_groups(encoder, args.weight_decay), args.lr,
@@ -121,11 +131,7 @@ def main():
                        train_files=args.train_mixture, steps_per_epoch=dataset.steps_per_epoch,
                        num_workers=args.num_workers, flops_per_token=log.flops_per_token(encoder),
                        memory_plan=plan.memory_plan(encoder, ctx.world_size, args.parallel, ema), lora=lora_info,
-                       summary=f"world {ctx.world_size} on {ctx.device}; {data.describe_files(files)}, "
-                               f"{len(val_records)} val; {args.batch_size * ctx.world_size * args.grad_accum_steps} "
-                               f"queries x {args.n_passages} passages per step; {args.parallel}, "
-                               f"storage {storage_dtype}, compute {compute_dtype or storage_dtype}"
-                               f"{dropout.describe(encoder)}")
+                       summary=describe_run(ctx, files, val_records, args, storage_dtype, compute_dtype, encoder))
 
     # ----- loop ----------------------------------------------------------------------------------
     stop = ckpt.StopSignal()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0

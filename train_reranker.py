@@ -129,7 +129,7 @@ def main():
     files, val_records, args.train_mixture, dev = records.read_train_val(  # [TrainFile]: each its records; dev:
         cli.data_spec(args, cli.RERANKER_PROMPT_KEYS), ctx.world_size)  # --dev-queries; the mixture: in the args
     dev = (dev or args.guard_beir) and evaluate.RerankDev(dev, args.dev_biencoder, args.val_batch_size, ctx.device,
-                                                          ctx.is_main, cli.guard_names(args))  # and --guard-beir
+                                                          cli.guard_names(args), (files, args.dev_neighbours))
 
     # ----- model in the storage dtype, how pairs become tokens; resume, part 1: weights -> cast ---
     storage_dtype, compute_dtype, autocast_dtype = cli.precision_dtypes(args)  # precision.resolve
@@ -226,7 +226,7 @@ def main():
     # ----- export (a SIGTERM from here on exits 0 at once: the last step is saved; --resume auto exports again) -
     final = os.path.join(args.output_dir, "final")
     selected = loop.final_weights(net, args.output_dir, state, model, ema if args.export_ema else None)  # or EMA
-    fusion = dev and dev.choose(eval_model, tokenizer, tok_settings, ctx.device)  # on them
+    fusion = dev and dev.choose(eval_model, tokenizer, tok_settings, ctx.device, args.guard_margin)  # on them
     export_reranker(final, net, tokenizer, {"kind": "reranker", "pooling": args.pooling or "native", "head": head.NAME,
                                             "bidirectional": args.bidirectional, "loss": args.loss, "lm_token_ids": lm_ids,
                                             "selected": selected, "fusion": fusion, **tok_settings}, args.trust_remote_code,

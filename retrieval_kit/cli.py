@@ -452,6 +452,11 @@ def add_dev_args(g, reranker=False):
     flag(g, "--dev-corpus-size", type=flags.nonneg_int, default=10000,
          help="--dev-queries' corpus: the held-out groups' passages plus a seeded sample of other training "
               "passages up to this many (0 = all; default 10000)")
+    flag(g, "--dev-neighbours", type=flags.nonneg_int, default=10,
+         help="--dev-queries' corpus also holds each held-out query's N nearest passages of the training pool, as " +
+              ("--dev-biencoder" if reranker else "the model at the run's start (the base; kept in the run folder's "
+               "dev_neighbours.json, read back on resume)") + " ranks them: the passages a model confuses with the "
+              "answer, which a sample rarely holds (default 10; 0 = none)")
     flag(g, "--guard-beir", type=flags.listed(str), default=None, neutral=True,
          help="BEIR folders of other domains (e.g. data/ood): what the base knew. Scored at every validation (the "
               "base's at step 0) as guard_<folder>/*" + (", reranking --dev-biencoder's top 10" if reranker else "") +

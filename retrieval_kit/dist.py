@@ -242,6 +242,15 @@ def stop_point():
         raise Interrupted()
 
 
+def broadcast_object(obj, src=0):
+    """Rank `src`'s `obj` on every rank (one pickle; itself in a world of 1)."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def reduce_mean(values):
     """Mean over ranks of a dict of floats (one collective for the whole dict)."""
     keys = list(values)

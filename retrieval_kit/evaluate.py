@@ -136,6 +136,13 @@ def retrieve_dims(model, tokenizer, settings, beir, dims, k=100, batch_size=64, 
     return runs
 
 
+def retrieval_sets(eval_beir, dev, guards):
+    """{log prefix: BEIR set} a bi-encoder run validates on: beir (--eval-beir), dev (--dev-queries) and
+    guard_<name> (--guard-beir: {prefix: folder})."""
+    sets = {k: v for k, v in (("beir", eval_beir and load_beir(eval_beir)), ("dev", dev)) if v}
+    return {**sets, **{name: load_beir(d) for name, d in guards.items()}}
+
+
 def with_se(run, qrels, per_query=None, metric="ndcg@10"):
     """retrieval_metrics of `run`, with the bootstrap standard error of `metric` over the queries
     (`metric`_se: how far apart two models must be before this set can tell them apart); `per_query` (a
@@ -146,6 +153,56 @@ def with_se(run, qrels, per_query=None, metric="ndcg@10"):
     out = retrieval_metrics(run, qrels, per_query=each)
     out[f"{metric}_se"] = bootstrap_se([each[q][metric] for q in sorted(each)])
     return out
+
+
+DEV_NEIGHBOURS = "dev_neighbours.json"  # in the run folder: the passages mined into the dev corpus at its start
+
+
+def add_neighbours(dev, pool, k, mine, run_dir, fresh, by="the model at the run's start"):
+    """--dev-neighbours K (issue 62): the dev corpus made harder by each held-out query's K nearest passages
+    of the training pool as `mine((ids, texts, queries, qrels), k) -> run` ranks them - the passages a model
+    confuses with the answer, which a random sample of a large pool rarely holds. A training run mines with
+    the model at its start (the base), on a fresh start (`fresh`), and rank 0 keeps what was added in
+    `run_dir`/dev_neighbours.json; a resume reads it back, so every validation of a run scores one dev set.
+    Says how many were added (`by`: the model that mined them). Returns the dev set (the passages added after
+    the others)."""
+    import hashlib
+
+    from .dist import broadcast_object, print0, rank
+
+    ids, texts, queries, qrels = dev
+    digest = hashlib.sha256(json.dumps(sorted(queries.items())).encode()).hexdigest()
+    cache = os.path.join(run_dir or ".", DEV_NEIGHBOURS)
+    if fresh:
+        run = mine(([f"p{i}" for i in range(len(pool))], pool, queries, qrels), k)
+        known, added = set(texts), []
+        for q in sorted(run):
+            for d in rank_docs(run[q])[:k]:
+                if pool[int(d[1:])] not in known:
+                    known.add(pool[int(d[1:])])
+                    added.append(pool[int(d[1:])])
+        if rank() == 0 and run_dir is not None:  # (None: a fixed model mines, the same on every start)
+            with open(cache + ".tmp", "w", encoding="utf-8") as f:
+                json.dump({"queries": digest, "k": k, "passages": added}, f)
+            os.replace(cache + ".tmp", cache)
+    else:
+        added = None
+        if rank() == 0:
+            try:
+                with open(cache, encoding="utf-8") as f:
+                    saved = json.load(f)
+                added = saved["passages"] if saved.get("queries") == digest and saved.get("k") == k else "other"
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                added = "missing"
+        added = broadcast_object(added)
+        if isinstance(added, str):
+            raise SystemExit(f"--dev-neighbours: {cache} is {'missing or unreadable' if added == 'missing' else 'of other dev queries'}"
+                             ": a resume scores the dev set its run started with, mined then; start a new run (another "
+                             "--output-dir) for a new one")
+    print0(f"dev: {len(added):,} passages added to the {len(texts):,} of its corpus: each query's {k} nearest of the "
+           f"training pool by {by} (--dev-neighbours; {'mined now' if fresh else 'as mined at the run start'})")
+    new = [f"d{len(texts) + i}" for i in range(len(added))]  # (hold_out_dev's ids go on)
+    return ids + new, texts + added, queries, qrels
 
 
 def beir_metrics(model, tokenizer, settings, beir, k=100, batch_size=64, device="cpu", dims=(), progress=False,
@@ -241,11 +298,21 @@ class RerankDev:
     and dev_best/* (the grid's best on ndcg@10, with its weight and top_k), each with nDCG@10's standard
     error. A weight of 0 is a legitimate best: the reranker does not pay on this data. `guards` ({log
     prefix: BEIR folder}, --guard-beir): read here, scored alike under their own prefixes; `dev` may be None
-    (guards alone)."""
+    (guards alone). `neighbours` ((the training files, K), --dev-neighbours): the dev corpus made harder by
+    each query's K nearest passages of the training pool as the bi-encoder ranks them (add_neighbours; a
+    fixed model: the same on every start)."""
 
-    def __init__(self, dev, biencoder_dir, batch_size, device, progress=False, guards=None):
+    def __init__(self, dev, biencoder_dir, batch_size, device, guards=None, neighbours=((), 0)):
+        from .dist import is_main
+
         guards = {k: load_beir(d) for k, d in (guards or {}).items()}  # (read and checked before any model loads)
         enc, tok, settings, _ = load_biencoder(biencoder_dir, device=device)  # (a reranker export: one sentence)
+        if dev is not None and neighbours[1]:
+            from .records import passage_pool
+
+            dev = add_neighbours(dev, passage_pool(neighbours[0]), neighbours[1], lambda b, k: retrieve(
+                enc, tok, settings, b, k, batch_size, device), None, True, biencoder_dir)
+        progress = is_main()
         self.sets = {k: v for k, v in {"dev": dev, **guards}.items() if v is not None}
         self.k = max(FUSION_TOP_K)
         self.runs = {k: retrieve(enc, tok, settings, b, self.k, batch_size, device, progress) for k, b in self.sets.items()}
@@ -271,7 +338,9 @@ class RerankDev:
             self.best = {"weight": w, "top_k": k, "ndcg@10": best["ndcg@10"]}
         return {"weight": w, "top_k": k}
 
-    def _grid(self, name, model, tokenizer, settings, batch_size, device, per_query):
+    def _grid(self, name, model, tokenizer, settings, batch_size, device, per_query, cells=None):
+        """{(weight, top_k): metrics} of set `name`; `per_query`: its entry filled for the reranker alone (1.0,
+        10); `cells` (a dict): filled with every cell's per-query nDCG@10, in query-id order (choose)."""
         from .dist import rank as get_rank, world_size
 
         (ids, texts, queries, qrels), run = self.sets[name], self.runs[name]
@@ -283,22 +352,43 @@ class RerankDev:
         for w in FUSION_WEIGHTS:
             for k in FUSION_TOP_K:
                 fused = {q: reorder(ranked, fuse_scores(s[:k], bi[q][:k], w)) for q, (ranked, s) in mine.items()}
-                alone = per_query is not None and (w, k) == (1.0, 10)
-                grid[w, k] = with_se(fused, qrels, per_query.setdefault(name, {}) if alone else None)
+                each = per_query.setdefault(name, {}) if per_query is not None and (w, k) == (1.0, 10) else {}
+                grid[w, k] = with_se(fused, qrels, each)
+                if cells is not None:
+                    cells[w, k] = [each[q]["ndcg@10"] for q in sorted(each)]
         return grid
 
-    def choose(self, model, tokenizer, settings, device="cpu"):
-        """The dev grid's best (weight, top_k, ndcg@10) for the weights about to be exported; said in one line
-        (None without a dev set: guards alone)."""
-        if "dev" not in self.sets:
-            return None
-        self._best(self._grid("dev", model, tokenizer, settings, self.batch_size, device, None), True)
+    def choose(self, model, tokenizer, settings, device="cpu", guard_margin=None):
+        """The fusion (weight, top_k) written into the export for the weights about to be exported, by the rule
+        of choice.py over the dev grid's cells, ordered from the bi-encoder alone (weight 0) up, then by top k:
+        the lightest cell a paired test over the dev queries does not find worse than the best, the best when
+        the dev set cannot tell them apart; with guard sets (--guard-beir), none whose guard nDCG@10 falls more
+        than `guard_margin` below the bi-encoder's alone while another holds it. Said in one line; every cell's
+        numbers recorded. None without a dev set (guards alone)."""
+        from .choice import choose
         from .dist import print0
 
-        print0(f"dev: fusion weight {self.best['weight']:g}, top {self.best['top_k']} (ndcg@10 {self.best['ndcg@10']:.4f})"
-               " written into the export" + ("; weight 0: the reranker does not pay on this dev set"
-                                             if self.best["weight"] == 0 else ""))
-        return self.best
+        if "dev" not in self.sets:
+            return None
+        per = {}
+        for name in self.sets:
+            per[name] = {}
+            grid = self._grid(name, model, tokenizer, settings, self.batch_size, device, None, per[name])
+            if name == "dev":
+                self._best(grid, True)
+                dev_grid = grid
+        order = sorted(dev_grid)  # (weight, top_k): the bi-encoder alone first
+        guard = lambda cell: [v for n in sorted(per) if n != "dev" for v in per[n][cell]] or None  # noqa: E731
+        chosen, rows = choose([{"name": f"weight {w:g}, top {k}", "dev": per["dev"][w, k], "guard": guard((w, k))}
+                               for w, k in order], guard_base=guard((0.0, order[0][1])), guard_margin=guard_margin)
+        w, k = order[chosen]
+        said = rows[chosen]["chosen"]
+        print0(f"dev: fusion weight {w:g}, top {k} (ndcg@10 {dev_grid[w, k]['ndcg@10']:.4f} +- "
+               f"{dev_grid[w, k]['ndcg@10_se']:.4f}; {said}) written into the export" +
+               ("; weight 0: the reranker does not pay on this dev set" if w == 0 else ""))
+        return {"weight": w, "top_k": k, "ndcg@10": dev_grid[w, k]["ndcg@10"], "ndcg@10_se": dev_grid[w, k]["ndcg@10_se"],
+                "rule": "paired randomization test over the dev queries (choice.py)", "why": said, "grid_best": self.best,
+                "candidates": rows}
 
 
 METRICS_KEYS = ("model", "reranker", "biencoder")  # what every --output file of this tool holds

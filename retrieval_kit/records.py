@@ -364,6 +364,13 @@ def hold_out_dev(files, n, corpus_size, seed):
     return out, (ids, texts, queries, qrels), summary
 
 
+def passage_pool(files):
+    """Every distinct passage of the training files' stores (a store shared by several files once): the pool a
+    dev query's neighbours are mined from (evaluate.add_neighbours)."""
+    stores = list({id(f.records.passages): f.records.passages for f in files}.values())
+    return list(dict.fromkeys(st[j] for st in stores for j in range(len(st))))
+
+
 def read_train_val(spec, world_size):
     """Read and validate the training files (training_files) and the validation file (and the
     corpus) of a DataSpec, before any model is loaded. Returns ([TrainFile], val_records, mixture, dev):

@@ -168,3 +168,63 @@ def test_a_run_logs_every_dev_and_guard_number_with_its_error_and_records_its_ch
     assert all(name in c and "p_worse_than_best" in c["choice"] or not c["choice"]["guard_ok"]
                for c in record["candidates"])
     assert sum("chosen" in c["choice"] for c in record["candidates"]) == 1
+
+
+def test_the_dev_corpus_holds_each_queries_hard_negatives_and_its_mined_neighbours(tiny_model_dir, small_train_file,
+                                                                                  tmp_path):
+    """--dev-neighbours (issue 62): the held-out queries' own groups and their 3 nearest passages of the training
+    pool, against a naive search (every pool passage scored by a plain dot product of the kit's embeddings)."""
+    import torch
+
+    from retrieval_kit.data import TrainFile
+    from retrieval_kit.encode import encode_texts
+    from retrieval_kit.evaluate import DEV_NEIGHBOURS, add_neighbours, load_biencoder, retrieve
+    from retrieval_kit.records import hold_out_dev, passage_pool, read_records
+
+    records, _ = read_records(small_train_file, 2)
+    files, dev, _ = hold_out_dev([TrainFile(records)], 6, 20, seed=7)
+    held = [r for r in records if r.query in dev[2].values()]
+    pool = passage_pool(files)
+    model, tok, s, _ = load_biencoder(tiny_model_dir)
+    got = add_neighbours(dev, pool, 3, lambda b, k: retrieve(model, tok, s, b, k), str(tmp_path), True)
+    assert got[0][:len(dev[0])] == dev[0] and got[1][:len(dev[1])] == dev[1]  # the held-out set as it was, then more
+    corpus = set(got[1])
+    assert all(p in corpus for r in held for p in [*r.pos, *r.neg])  # each query's positives and hard negatives
+    q = encode_texts(model, tok, list(dev[2].values()), s["query_max_length"], s["query_prefix"])
+    p = encode_texts(model, tok, pool, s["passage_max_length"], s["passage_prefix"])
+    for row in (q @ p.T):
+        for j in torch.topk(row, 3).indices.tolist():  # (no ties among these random-model scores)
+            assert pool[j] in corpus
+    assert len(got[1]) > len(dev[1])
+    # a resume reads the same passages back; other dev queries are refused
+    again = add_neighbours(dev, pool, 3, None, str(tmp_path), False)
+    assert again == got
+    other = (dev[0], dev[1], {**dev[2], "q0": "another query"}, dev[3])
+    with pytest.raises(SystemExit, match="of other dev queries"):
+        add_neighbours(other, pool, 3, None, str(tmp_path), False)
+    (tmp_path / DEV_NEIGHBOURS).unlink()
+    with pytest.raises(SystemExit, match="is missing or unreadable"):
+        add_neighbours(dev, pool, 3, None, str(tmp_path), False)
+
+
+@pytest.mark.slow
+def test_two_ranks_choose_what_one_process_chooses(tiny_model_dir, small_train_file, small_beir, tmp_path):
+    """The merge tool's choice under torchrun (the candidates scored sharded over 2 ranks) is one process's:
+    the same alpha, the same dev numbers and p-values."""
+    import json
+
+    from tests.conftest import run_module, run_script
+
+    run_script("train_biencoder.py", ["--model", tiny_model_dir, "--train-file", small_train_file, "--val-file", "",
+                                      "--batch-size", 4, "--max-steps", 2, "--lr", 5e-2, "--query-max-length", 8,
+                                      "--passage-max-length", 32, "--output-dir", tmp_path / "run"])
+    argv = ["-m", "retrieval_kit.merge", "--base", tiny_model_dir, "--tuned", tmp_path / "run" / "final", "--alpha",
+            "0,0.5,1", "--dev-beir", small_beir, "--guard-beir", small_beir]
+    run_module([*argv, "--out", tmp_path / "one"])
+    run_module([*argv, "--out", tmp_path / "two"], nproc=2)
+    one, two = (json.load(open(tmp_path / d / "retrieval_kit.json"))["merge"] for d in ("one", "two"))
+    assert one["alpha"] == two["alpha"]
+    for a, b in zip(one["candidates"], two["candidates"]):
+        assert abs(a["dev"]["ndcg@10"] - b["dev"]["ndcg@10"]) < 1e-6
+        assert a["choice"].get("p_worse_than_best") == b["choice"].get("p_worse_than_best")
+        assert a["choice"].get("chosen") == b["choice"].get("chosen")

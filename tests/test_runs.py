@@ -385,7 +385,12 @@ def test_dev_queries_are_scored_at_each_validation_as_evaluate_scores_the_held_o
     assert sorted(r["step"] for r in rows if r["split"] == "dev") == [0, 2, 4]
     # the same held-out set as a BEIR folder, scored by retrieval_kit.evaluate on the export (the best step's weights)
     records, _ = read_records(train, 2)
-    beir = write_beir(tmp_path / "dev", hold_out_dev([TrainFile(records)], 40, 400, seed=42)[1])
+    ids, texts, queries, qrels = hold_out_dev([TrainFile(records)], 40, 400, seed=42)[1]
+    added = json.loads((out / "dev_neighbours.json").read_text())["passages"]  # (--dev-neighbours, mined at the start)
+    assert 0 < len(added) <= 40 * 10 and not set(added) & set(texts)
+    dev = (ids + [f"d{len(ids) + i}" for i in range(len(added))], texts + added, queries, qrels)
+    assert f"dev: {len(added):,} passages added to the 400 of its corpus" in done.stdout
+    beir = write_beir(tmp_path / "dev", dev)
     res = python_run(["-m", "retrieval_kit.evaluate", "--model", out / "final", "--beir", beir, "--output",
                       tmp_path / "eval.json", "--batch-size", 32])  # batched as validation was: the same sums
     assert res.returncode == 0, res.stderr[-3000:]
@@ -419,14 +424,18 @@ def test_the_rerankers_dev_metric_is_the_pipelines_and_its_best_fusion_reaches_e
     done = run("train_reranker.py", ["--model", tiny_model_dir, "--train-file", train, "--val-file", "", "--batch-size",
                                      "4", "--n-passages", "2", "--rerank-max-length", "64", "--max-steps", "4",
                                      "--warmup-steps", "1", "--val-every", "2", "--dev-queries", "30",
-                                     "--dev-corpus-size", "300", "--dev-biencoder", bi, "--output-dir", out])
+                                     "--dev-corpus-size", "300", "--dev-biencoder", bi, "--dev-neighbours", "0",
+                                     "--output-dir", out])
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(l) for l in open(out / "metrics.jsonl")]
     for split in ("dev", "dev_fused", "dev_best"):
         assert sorted(r["step"] for r in rows if r["split"] == split) == [0, 2, 4], split
     fusion = json.loads((out / "final" / "retrieval_kit.json").read_text())["fusion"]
     last = [r for r in rows if r["split"] == "dev_best"][-1]
-    assert fusion == {"weight": last["weight"], "top_k": last["top_k"], "ndcg@10": last["ndcg@10"]}
+    assert fusion["grid_best"] == {"weight": last["weight"], "top_k": last["top_k"], "ndcg@10": last["ndcg@10"]}
+    chosen = [c for c in fusion["candidates"] if "chosen" in c]  # (issue 62: the paired test's choice, said)
+    assert len(chosen) == 1 and chosen[0]["name"] == f"weight {fusion['weight']:g}, top {fusion['top_k']}"
+    assert abs(chosen[0]["dev"] - fusion["ndcg@10"]) < 1e-9 and len(fusion["candidates"]) == 15
     assert f"dev: fusion weight {fusion['weight']:g}, top {fusion['top_k']}" in done.stdout
     # the same pipeline by retrieval_kit.evaluate on the dev set as a BEIR folder: the export's fusion, the same number
     records, _ = read_records(train, 2)
