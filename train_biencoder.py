@@ -162,7 +162,7 @@ def main():
         return loop.stop_early(logger, stop, state.step, args.output_dir)
 
     # ----- export (a SIGTERM from here on exits 0 at once: the last step is saved; --resume auto exports again) -
-    selected = loop.final_weights(encoder, args.output_dir, state, model, ema if args.export_ema else None)  # or EMA
+    selected = loop.final_weights(encoder, args.output_dir, state, model, args.export_ema and ema, args.guard_margin)
     final = export_model(os.path.join(args.output_dir, "final"), encoder, tokenizer,
                          {"kind": "biencoder", **settings, "temperature": args.temperature, "matryoshka_dims": dims[0],
                           "train_files": args.train_mixture, "selected": selected},  # each file's own prompts among them

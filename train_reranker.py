@@ -225,7 +225,7 @@ def main():
 
     # ----- export (a SIGTERM from here on exits 0 at once: the last step is saved; --resume auto exports again) -
     final = os.path.join(args.output_dir, "final")
-    selected = loop.final_weights(net, args.output_dir, state, model, ema if args.export_ema else None)  # or EMA
+    selected = loop.final_weights(net, args.output_dir, state, model, args.export_ema and ema, args.guard_margin)
     fusion = dev and dev.choose(eval_model, tokenizer, tok_settings, ctx.device, args.guard_margin)  # on them
     export_reranker(final, net, tokenizer, {"kind": "reranker", "pooling": args.pooling or "native", "head": head.NAME,
                                             "bidirectional": args.bidirectional, "loss": args.loss, "lm_token_ids": lm_ids,

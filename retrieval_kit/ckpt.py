@@ -178,7 +178,8 @@ def _save_checkpoint(run_dir, step, model, optimizer, scheduler, loop_state, arg
         with open(os.path.join(run_dir, "latest.tmp"), "w") as f:
             f.write(name + "\n")
         os.replace(os.path.join(run_dir, "latest.tmp"), os.path.join(run_dir, "latest"))
-        prune(run_dir, keep_last, keep=((loop_state or {}).get("best") or {}).get("step"))
+        prune(run_dir, keep_last, keep={((loop_state or {}).get("best") or {}).get("step"),  # --select-best's steps
+                                        *[c["step"] for c in (loop_state or {}).get("candidates") or []]})
     barrier()
     return final
 
@@ -696,13 +697,14 @@ class StopSignal:
 
 
 def prune(run_dir, keep_last, keep=None):
-    """Delete all but the newest `keep_last` complete checkpoints (rank 0; 0 keeps all), and step
-    `keep` (--select-best's best step)."""
+    """Delete all but the newest `keep_last` complete checkpoints (rank 0; 0 keeps all), and the steps in
+    `keep` (--select-best's candidates: one step or a set of them)."""
     if keep_last <= 0 or rank() != 0:
         return
+    keep = {f"step_{k:06d}" for k in (keep if isinstance(keep, (set, list, tuple)) else [keep]) if k is not None}
     done = sorted(d for d in os.listdir(run_dir) if d.startswith("step_") and is_complete(os.path.join(run_dir, d)))
     for d in done[:-keep_last]:
-        if keep is None or d != f"step_{keep:06d}":
+        if d not in keep:
             shutil.rmtree(os.path.join(run_dir, d), ignore_errors=True)
 
 
@@ -723,5 +725,6 @@ def load_best(model, run_dir, best, step, wrapped=None):
             load_model_weights(model, path)
     if rank() == 0:
         print(f"--select-best {best['metric']}: the export holds step {best['step']} ({best['metric']} "
-              f"{best['value']:.4f}, the best validated){'' if best['step'] != step else ', the last step'}", flush=True)
+              f"{best['value']:.4f}, {best.get('why', 'the best validated')})"
+              f"{'' if best['step'] != step else ', the last step'}", flush=True)
     return best

@@ -143,6 +143,9 @@ def retrieval_sets(eval_beir, dev, guards):
     return {**sets, **{name: load_beir(d) for name, d in guards.items()}}
 
 
+EACH = "_each"  # a metric's per-query values ride in a validation's metrics as "<metric>_each" (a list)
+
+
 def with_se(run, qrels, per_query=None, metric="ndcg@10"):
     """retrieval_metrics of `run`, with the bootstrap standard error of `metric` over the queries
     (`metric`_se: how far apart two models must be before this set can tell them apart); `per_query` (a
@@ -151,7 +154,9 @@ def with_se(run, qrels, per_query=None, metric="ndcg@10"):
 
     each = {} if per_query is None else per_query
     out = retrieval_metrics(run, qrels, per_query=each)
-    out[f"{metric}_se"] = bootstrap_se([each[q][metric] for q in sorted(each)])
+    values = [each[q][metric] for q in sorted(each)]
+    out[f"{metric}_se"] = bootstrap_se(values)
+    out[f"{metric}{EACH}"] = values  # (query-id order: what --select-best's paired test reads; never logged)
     return out
 
 
@@ -328,8 +333,9 @@ class RerankDev:
         for name in self.sets:
             grid = self._grid(name, model, tokenizer, settings, batch_size, device, per_query)
             best = self._best(grid, name == "dev")
-            out.update({name: grid[1.0, 10], f"{name}_fused": grid[0.5, 10],
-                        f"{name}_best": {**grid[best["weight"], best["top_k"]], **best}})
+            bare = lambda m: {k: v for k, v in m.items() if not k.endswith(EACH)}  # noqa: E731 (per-query: dev/* only)
+            out.update({name: grid[1.0, 10], f"{name}_fused": bare(grid[0.5, 10]),
+                        f"{name}_best": {**bare(grid[best["weight"], best["top_k"]]), **best}})
         return out
 
     def _best(self, grid, keep):

@@ -147,6 +147,7 @@ class Logger:
 
     def log(self, step, scalars, prefix="train"):
         self.last[prefix] = {"step": step, **scalars}  # the newest of each split (an export's model card)
+        scalars = {k: v for k, v in scalars.items() if not isinstance(v, list)}  # (per-query values: `last` only)
         if not self.enabled:
             return
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in scalars.items()}
@@ -179,7 +180,8 @@ class Logger:
     def log_eval(self, step, metrics, prefix="val", label=None):
         """An evaluation's metrics: logged under `prefix`, and one line under the progress bar."""
         self.log(step, metrics, prefix=prefix)
-        self.write(f"step {step}: {label or prefix} " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        self.write(f"step {step}: {label or prefix} " + " ".join(f"{k} {v:.4f}" for k, v in metrics.items()
+                                                                 if not isinstance(v, list)))
 
     def close(self):
         if self.enabled:

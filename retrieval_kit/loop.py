@@ -113,17 +113,20 @@ class LoopState:
     stopping: bool = False
     loss_avg: WindowedAverage = field(default_factory=WindowedAverage)
     best: dict = None  # --select-best: {"metric", "value", "step"} of the best validation so far
+    candidates: list = field(default_factory=list)  # --select-best on a retrieval metric: every validated step's
+    # {"step", "value", "each": its per-query values, "guard": its guard sets' per-query values or None}
 
     def state_dict(self, steps_per_epoch, accum):
         epoch, pos = divmod(self.step * accum, steps_per_epoch)
         return {"loss_avg": self.loss_avg.state_dict(), "skipped_steps": self.skipped, "epoch": epoch,
-                "position_in_epoch": pos, "best": self.best}
+                "position_in_epoch": pos, "best": self.best, "candidates": self.candidates}
 
     def load(self, meta):
         self.step = meta["step"]
         self.loss_avg.load_state_dict(meta["loop"]["loss_avg"])
         self.skipped = meta["loop"].get("skipped_steps", 0)
         self.best = meta["loop"].get("best")
+        self.candidates = meta["loop"].get("candidates") or []
         return meta
 
     def observe(self, metric, logged, step):
@@ -140,6 +143,14 @@ class LoopState:
                 f"{s}/{k}" for s, r in evals.items() for k in r if k != "step"))
         if row.get("step") != step:
             return False
+        if f"{name}_each" in row:  # per-query values: every validated step is a candidate (choose_step, at the end)
+            guard = [v for s in sorted(logged) if s.startswith("guard_") and logged[s].get("step") == step
+                     for v in logged[s].get(f"{name}_each", [])]  # (a guard set's own row: its _fused/_best carry none)
+            self.candidates = [c for c in self.candidates if c["step"] != step] + [
+                {"step": step, "value": row[name], "each": row[f"{name}_each"], "guard": guard or None}]
+            if self.best is None or row[name] > self.best["value"]:
+                self.best = {"metric": metric, "value": row[name], "step": step}
+            return True
         value, lower = row[name], name.endswith("loss")
         better = self.best is None or (value < self.best["value"] if lower else value > self.best["value"])
         if dist.world_size() > 1:  # every rank checkpoints on the same decision (the metrics are reduced anyway)
@@ -270,19 +281,39 @@ def reranker_group_scores(model, queries, groups, *, collate, device, autocast_d
     return logits.float().view(len(queries), -1), listwise_loss(logits, len(groups[0]))
 
 
-def final_weights(model, run_dir, state, wrapped=None, ema=None):
+def choose_step(state, guard_margin=None):
+    """--select-best on a retrieval metric (per-query values logged): among the validated steps, ordered from the
+    earliest (the closest to the base), the rule of choice.py - the earliest step a paired test over the
+    queries does not find worse than the best, the best when they cannot be told apart; with --guard-beir none
+    whose guard falls more than `guard_margin` below the first validation's (the base's at step 0). Sets
+    `state.best` to it, with every candidate's numbers and why; said in one line. Returns it."""
+    from .choice import choose
+
+    steps = sorted(state.candidates, key=lambda c: c["step"])
+    if not steps:
+        return state.best
+    chosen, rows = choose([{"name": c["step"], "dev": c["each"], "guard": c["guard"]} for c in steps],
+                          guard_base=steps[0]["guard"], guard_margin=guard_margin)
+    state.best = {"metric": state.best["metric"], "value": steps[chosen]["value"], "step": steps[chosen]["step"],
+                  "why": rows[chosen]["chosen"], "candidates": rows}
+    dist.print0(f"--select-best {state.best['metric']}: step {state.best['step']} ({state.best['why']})")
+    return state.best
+
+
+def final_weights(model, run_dir, state, wrapped=None, ema=None, guard_margin=None):
     """Before the export: a run that trained nothing - every one of its steps skipped as non-finite - ends
-    with one sentence and a non-zero exit, not an untrained export; with --select-best, the best validated
-    step's weights into `model` (ckpt.load_best); with `ema` (--export-ema), the average's. Returns what
-    the export holds ({"ema": decay}, the --select-best selection, or None)."""
+    with one sentence and a non-zero exit, not an untrained export; with --select-best, the chosen validated
+    step's weights into `model` (choose_step on a retrieval metric, else the best; ckpt.load_best); with `ema`
+    (--export-ema), the average's. Returns what the export holds ({"ema": decay}, the --select-best
+    selection, or None)."""
     if state.step and state.skipped >= state.step:
         raise SystemExit(f"every one of the run's {state.step} steps was skipped: its loss or gradients were not "
                          f"finite; nothing was trained, so nothing is exported (lower --lr, check the data)")
-    if ema is not None:
+    if ema:
         ema.copy_to_model()
         dist.print0(f"--export-ema: the export holds the average of the trained weights (decay {ema.decay:g})")
         return {"ema": ema.decay}
-    return ckpt.load_best(model, run_dir, state.best, state.step, wrapped)
+    return ckpt.load_best(model, run_dir, choose_step(state, guard_margin), state.step, wrapped)
 
 
 def end_run(logger, message):

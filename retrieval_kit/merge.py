@@ -314,7 +314,8 @@ def choose(candidates, score, tolerance=None, base=None, guard_margin=None, metr
     for alpha, apply in sorted(candidates, key=lambda c: c[0]):
         apply()
         pq = {}
-        rows.append({"alpha": alpha, **score(pq)})
+        rows.append({"alpha": alpha, **{split: {k: v for k, v in m.items() if not isinstance(v, list)}  # (per-query
+                                        for split, m in score(pq).items()}})  # values: in per_query, not the record)
         per.append(pq)
     if tolerance is not None:
         best = max(r[metric[0]][metric[1]] for r in rows)

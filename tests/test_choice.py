@@ -228,3 +228,34 @@ def test_two_ranks_choose_what_one_process_chooses(tiny_model_dir, small_train_f
         assert abs(a["dev"]["ndcg@10"] - b["dev"]["ndcg@10"]) < 1e-6
         assert a["choice"].get("p_worse_than_best") == b["choice"].get("p_worse_than_best")
         assert a["choice"].get("chosen") == b["choice"].get("chosen")
+
+
+@pytest.mark.slow
+def test_select_best_on_dev_follows_the_rule_over_every_validated_step(tiny_model_dir, small_train_file, small_beir,
+                                                                       tmp_path):
+    """--select-best dev/ndcg@10 (issue 62): every validated step is a candidate (its checkpoint kept past
+    --keep-last), the earliest one the paired test does not find worse than the best is exported (the best
+    when dev cannot tell them apart), with --guard-beir's scores; the export records every step's numbers
+    and why."""
+    import json
+    import os
+
+    from tests.conftest import run_script
+
+    run = tmp_path / "run"
+    run_script("train_biencoder.py", ["--model", tiny_model_dir, "--train-file", small_train_file, "--val-file", "",
+                                      "--batch-size", 4, "--max-steps", 3, "--val-every", 1, "--lr", 5e-2,
+                                      "--dev-queries", 12, "--dev-corpus-size", 80, "--guard-beir", small_beir,
+                                      "--select-best", "dev/ndcg@10", "--keep-last", 1, "--output-dir", run])
+    selected = json.load(open(run / "final" / "retrieval_kit.json"))["selected"]
+    rows = selected["candidates"]
+    assert [r["name"] for r in rows] == [0, 1, 2, 3] and all("guard" in r for r in rows)
+    assert sorted(d for d in os.listdir(run) if d.startswith("step_")) == [f"step_00000{i}" for i in range(4)]
+    chosen = [r for r in rows if "chosen" in r]
+    assert len(chosen) == 1 and chosen[0]["name"] == selected["step"] and selected["why"] == chosen[0]["chosen"]
+    held = [r for r in rows if r["guard_ok"]]
+    best = max(held, key=lambda r: (r["dev"], -r["name"]))
+    if "cannot tell" in selected["why"]:
+        assert selected["step"] == best["name"]
+    else:
+        assert selected["step"] == min(r["name"] for r in held if r["p_worse_than_best"] >= 0.05)
