@@ -10,8 +10,9 @@ data/eval and data/ood (nDCG@10). Every candidate comes from the run's own files
 The run (2 ranks, the README's command 1 otherwise): --dev-queries 200 held out of training (a 2,000-passage
 dev corpus), validated every --val-every steps (dev/ndcg@10 of the weights and of the EMA), a checkpoint
 every --ckpt-every steps (all kept), --ema-decay, and --merge-alphas 0.2,0.4,0.6,0.8,1.0: the run's final/ is
-the dev-chosen merge. "best dev" is the validated step with the best dev/ndcg@10; "soup" the mean of the
-last three checkpoints. data/eval and data/ood choose nothing.
+the dev-chosen merge (issue 62's rule: a paired test on dev, data/ood as the guard: --guard none drops it).
+"best dev" is the validated step with the best dev/ndcg@10; "soup" the mean of the last three checkpoints.
+data/eval only reports; with the guard, data/ood also chooses (it is then no held-out measure of forgetting).
 
     python bench/forgetting.py --reranker          # the same for the reranker (README's command 2, 333 steps)
 
@@ -62,6 +63,8 @@ def main():
     ap.add_argument("--ema-decay", type=flags.open_fraction, default=0.99)
     ap.add_argument("--work", default="/tmp/retrieval_kit_forgetting")
     ap.add_argument("--reranker", action="store_true", help="the reranker half (command 1's top 10, fused)")
+    ap.add_argument("--guard", default="ood", choices=("ood", "none"),
+                    help="the runs' --guard-beir: data/ood (default; issue 62), or none (the dev split alone)")
     a = ap.parse_args()
     data = [("the bundled data", os.path.join(ROOT, "data"))]  # what the runs read: never under --work
     outputs.check_inputs("--work", a.work, data, is_dir=True)
@@ -98,7 +101,8 @@ def main():
         t0 = time.perf_counter()
         sh(["torchrun", "--nproc_per_node=2", *script, "--max-steps", str(a.steps), "--seed", str(seed),
             "--output-dir", run, "--dev-queries", "200", "--dev-corpus-size", "2000", "--val-every", str(a.val_every),
-            "--ckpt-every", str(a.ckpt_every), "--keep-last", "1000", "--ema-decay", str(a.ema_decay)])
+            "--ckpt-every", str(a.ckpt_every), "--keep-last", "1000", "--ema-decay", str(a.ema_decay),
+            *(["--guard-beir", sets["ood"]] if a.guard == "ood" else [])])
         wall = time.perf_counter() - t0
         vals = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
         dev = [(r["step"], r["ndcg@10"]) for r in vals if r["split"] == "dev" and r["step"] > 0]
@@ -125,6 +129,9 @@ def main():
                                         ("--query-max-length", "32")) for n, b in sets.items()}})
             print(json.dumps(rows[-1]), flush=True)
         rows.append({"model": "run", "seed": seed, "wall_s": wall, "best_dev_step": best_step, "dev": dev,
+                     "merge_alpha": merge["alpha"], "merge_why": next((c.get("choice", {}).get("chosen") for c in
+                                                                       merge["candidates"] if c["alpha"] == merge["alpha"]),
+                                                                      None),
                      "ema_dev": [(r["step"], r["ndcg@10"]) for r in vals if r["split"] == "ema_dev"],
                      "merge_candidates": merge["candidates"]})
         print(json.dumps(rows[-1]), flush=True)

@@ -485,12 +485,9 @@ def main():
 
 def is_table(path):
     """Is `path` a table this bench wrote (JSON with its "rows" and "unequal")?"""
-    try:
-        with open(path, encoding="utf-8") as f:
-            got = json.load(f)
-    except (OSError, ValueError, UnicodeDecodeError):
-        return False
-    return isinstance(got, dict) and {"rows", "unequal"} <= set(got)
+    from retrieval_kit.outputs import json_holds
+
+    return json_holds(path, ("rows", "unequal"))
 
 
 def check_outputs(a, inputs):

@@ -402,12 +402,7 @@ METRICS_KEYS = ("model", "reranker", "biencoder")  # what every --output file of
 
 def is_metrics_file(path):
     """Is `path` a metrics file evaluate wrote (its --output: JSON holding METRICS_KEYS)?"""
-    try:
-        with open(path, encoding="utf-8") as f:
-            got = json.load(f)
-    except (OSError, ValueError, UnicodeDecodeError):
-        return False
-    return isinstance(got, dict) and all(k in got for k in METRICS_KEYS)
+    return outputs.json_holds(path, METRICS_KEYS)
 
 
 def main(argv=None):

@@ -47,6 +47,18 @@ def check_inputs(flag, path, inputs, is_dir=False):
             raise SystemExit(f"{flag} {path} holds the command's input {what}: write to another folder")
 
 
+def json_holds(path, keys):
+    """Is `path` a JSON object holding every one of `keys` (how a tool knows the file is its own output)?"""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            got = json.load(f)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(got, dict) and all(k in got for k in keys)
+
+
 def check_file(flag, path, inputs=(), overwrite=False, own=None):
     """Before any work: the file `path` may be written - not an input (check_inputs), not a folder,
     replaced only with `overwrite` or when `own(path)` says the tool wrote it - and it can be written
