@@ -342,11 +342,11 @@ def describe(chosen, rows, metric=("dev", "ndcg@10")):
              (said or "the smallest within the tolerance of the best") + ")"]
     for r in rows:
         c = r.get("choice", {})
-        extra = (f" +- {c['dev_se']:.4f}" if "dev_se" in c else "") + (
-            f", p {c['p_worse_than_best']:.3f} that it is worse than the best" if "p_worse_than_best" in c else "") + (
-            f", guard {c['guard']:.4f}{'' if c['guard_ok'] else ' (below the floor)'}" if "guard" in c else "")
-        lines.append(f"  alpha {r['alpha']:g}: " + ", ".join(f"{s}/{metric[1]} {m[metric[1]]:.4f}" for s, m in r.items()
-                                                              if s not in ("alpha", "choice") and metric[1] in m) + extra)
+        extra = (f", p {c['p_worse_than_best']:.3f} that it is worse than the best" if "p_worse_than_best" in c else
+                 "") + (f", guard {c['guard']:.4f}{'' if c['guard_ok'] else ' (below the floor)'}" if "guard" in c else "")
+        lines.append(f"  alpha {r['alpha']:g}: " + ", ".join(
+            f"{s}/{metric[1]} {m[metric[1]]:.4f}" + (f" +- {m[metric[1] + '_se']:.4f}" if metric[1] + "_se" in m else "")
+            for s, m in r.items() if s not in ("alpha", "choice") and metric[1] in m) + extra)
     return "\n".join(lines)
 
 
