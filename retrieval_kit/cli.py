@@ -460,11 +460,13 @@ def add_dev_args(g, reranker=False):
     flag(g, "--guard-beir", type=flags.listed(str), default=None, neutral=True,
          help="BEIR folders of other domains (e.g. data/ood): what the base knew. Scored at every validation (the "
               "base's at step 0) as guard_<folder>/*" + (", reranking --dev-biencoder's top 10" if reranker else "") +
-              "; --merge-alphas never chooses a candidate whose guard nDCG@10 falls more than --guard-margin below "
-              "alpha 0's while another holds it (default off)")
+              "; the kit's choices (--merge-alphas, --select-best on a retrieval metric" +
+              (", the fusion weight" if reranker else "") + ") never take a candidate whose guard nDCG@10 falls more "
+              "than --guard-margin below the base's while another holds it (docs/pipeline.md; default off)")
     flag(g, "--guard-margin", type=flags.fraction, default=None, neutral=True,
-         help="with --guard-beir: how far below alpha 0's guard nDCG@10 a merge candidate may fall (default: alpha 0's "
-              "own bootstrap standard error on the guard queries)")
+         help="with --guard-beir: how far below the base's guard nDCG@10 (alpha 0; the first validation" +
+              ("; the bi-encoder alone" if reranker else "") + ") a candidate may fall (default: the base's own "
+              "bootstrap standard error on the guard queries)")
     if reranker:
         flag(g, "--dev-biencoder", type=flags.model_path, default=None,
              help="--dev-queries: a bi-encoder export that retrieves each dev query's top 20 once; each validation "

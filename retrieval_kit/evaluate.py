@@ -187,9 +187,12 @@ def add_neighbours(dev, pool, k, mine, run_dir, fresh, by="the model at the run'
                     known.add(pool[int(d[1:])])
                     added.append(pool[int(d[1:])])
         if rank() == 0 and run_dir is not None:  # (None: a fixed model mines, the same on every start)
-            with open(cache + ".tmp", "w", encoding="utf-8") as f:
-                json.dump({"queries": digest, "k": k, "passages": added}, f)
-            os.replace(cache + ".tmp", cache)
+            from .flags import writing
+
+            with writing(f"the dev set's mined passages to {cache}", then="free space and start the run again"):
+                with open(cache + ".tmp", "w", encoding="utf-8") as f:
+                    json.dump({"queries": digest, "k": k, "passages": added}, f)
+                os.replace(cache + ".tmp", cache)
     else:
         added = None
         if rank() == 0:
@@ -201,9 +204,9 @@ def add_neighbours(dev, pool, k, mine, run_dir, fresh, by="the model at the run'
                 added = "missing"
         added = broadcast_object(added)
         if isinstance(added, str):
-            raise SystemExit(f"--dev-neighbours: {cache} is {'missing or unreadable' if added == 'missing' else 'of other dev queries'}"
-                             ": a resume scores the dev set its run started with, mined then; start a new run (another "
-                             "--output-dir) for a new one")
+            what = "missing or unreadable" if added == "missing" else "of other dev queries or another --dev-neighbours"
+            raise SystemExit(f"--dev-neighbours: {cache} is {what}: a resume scores the dev set its run started with, "
+                             "mined then; start a new run (another --output-dir) for a new one" if rank() == 0 else 1)
     print0(f"dev: {len(added):,} passages added to the {len(texts):,} of its corpus: each query's {k} nearest of the "
            f"training pool by {by} (--dev-neighbours; {'mined now' if fresh else 'as mined at the run start'})")
     new = [f"d{len(texts) + i}" for i in range(len(added))]  # (hold_out_dev's ids go on)
