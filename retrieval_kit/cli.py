@@ -452,7 +452,7 @@ def add_dev_args(g, reranker=False):
     flag(g, "--dev-corpus-size", type=flags.nonneg_int, default=10000,
          help="--dev-queries' corpus: the held-out groups' passages plus a seeded sample of other training "
               "passages up to this many (0 = all; default 10000)")
-    flag(g, "--dev-neighbours", type=flags.nonneg_int, default=10,
+    flag(g, "--dev-neighbours", type=flags.nonneg_int, default=None,
          help="--dev-queries' corpus also holds each held-out query's N nearest passages of the training pool, as " +
               ("--dev-biencoder" if reranker else "the model at the run's start (the base; kept in the run folder's "
                "dev_neighbours.json, read back on resume)") + " ranks them: the passages a model confuses with the "
@@ -667,6 +667,9 @@ def validation_splits(args):
     return splits
 
 
+DEV_NEIGHBOURS = 10  # --dev-neighbours' default: each dev query's 10 nearest training passages join its corpus
+
+
 def parse(parser, argv=None):
     """Parse, then check what no single flag's type can: one sentence naming the flags, exit 1."""
     args = parser.parse_args(argv)
@@ -726,6 +729,10 @@ def parse(parser, argv=None):
     if args.merge_tolerance is not None and not args.merge_alphas:
         raise SystemExit("--merge-tolerance: only with --merge-alphas (no merge weight is chosen without it): drop the "
                          "flag, or give --merge-alphas")
+    if args.dev_neighbours is not None and not args.dev_queries:
+        raise SystemExit("--dev-neighbours: only with --dev-queries (there is no dev corpus to add them to): drop the "
+                         "flag, or give --dev-queries")
+    args.dev_neighbours = DEV_NEIGHBOURS if args.dev_neighbours is None else args.dev_neighbours
     if args.guard_margin is not None and not args.guard_beir:
         raise SystemExit("--guard-margin: only with --guard-beir (no guard is scored without it): drop the flag")
     if args.merge_tolerance is not None and args.guard_beir and args.merge_alphas:

@@ -54,6 +54,8 @@ def test_a_max_length_that_is_not_a_multiple_of_the_padding_pads_up_and_truncate
     (["--sharded-checkpoints"], "--sharded-checkpoints: only with --parallel fsdp2"),
     (["--lora-alpha", "8"], "--lora-alpha: only with --lora-rank"),
     (["--merge-tolerance", "0.01"], "--merge-tolerance: only with --merge-alphas"),
+    (["--dev-neighbours", "5"], "--dev-neighbours: only with --dev-queries"),
+    (["--guard-margin", "0.01"], "--guard-margin: only with --guard-beir"),
 ])
 def test_flags_that_cannot_go_together_are_one_sentence(argv, says):
     with pytest.raises(SystemExit, match=says.replace("(", r"\(")):
