@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from . import cli, dist, flags, heads, outputs, precision
+from . import choice, cli, dist, flags, heads, outputs, precision
 from .data import shard
 from .formats import read_corpus, read_qrels, read_queries
 from .encode import encode_shard, encode_sharded, score_pairs
@@ -370,11 +370,10 @@ class RerankDev:
     def choose(self, model, tokenizer, settings, device="cpu", guard_margin=None):
         """The fusion (weight, top_k) written into the export for the weights about to be exported, by the rule
         of choice.py over the dev grid's cells, ordered from the bi-encoder alone (weight 0) up, then by top k:
-        the lightest cell a paired test over the dev queries does not find worse than the best, the best when
-        the dev set cannot tell them apart; with guard sets (--guard-beir), none whose guard nDCG@10 falls more
-        than `guard_margin` below the bi-encoder's alone while another holds it. Said in one line; every cell's
+        the lightest cell that the dev queries show within choice.MARGIN of the best, else the best; with guard
+        sets (--guard-beir), none whose guard nDCG@10 falls more than `guard_margin` below the bi-encoder's alone
+        while another holds it. Said in one line; every cell's
         numbers recorded. None without a dev set (guards alone)."""
-        from .choice import choose
         from .dist import print0
 
         if "dev" not in self.sets:
@@ -388,7 +387,7 @@ class RerankDev:
                 dev_grid = grid
         order = sorted(dev_grid)  # (weight, top_k): the bi-encoder alone first
         guard = lambda cell: [v for n in sorted(per) if n != "dev" for v in per[n][cell]] or None  # noqa: E731
-        chosen, rows = choose([{"name": f"weight {w:g}, top {k}", "dev": per["dev"][w, k], "guard": guard((w, k))}
+        chosen, rows = choice.choose([{"name": f"weight {w:g}, top {k}", "dev": per["dev"][w, k], "guard": guard((w, k))}
                                for w, k in order], guard_base=guard((0.0, order[0][1])), guard_margin=guard_margin)
         w, k = order[chosen]
         said = rows[chosen]["chosen"]
@@ -396,7 +395,7 @@ class RerankDev:
                f"{dev_grid[w, k]['ndcg@10_se']:.4f}; {said}) written into the export" +
                ("; weight 0: the reranker does not pay on this dev set" if w == 0 else ""))
         return {"weight": w, "top_k": k, "ndcg@10": dev_grid[w, k]["ndcg@10"], "ndcg@10_se": dev_grid[w, k]["ndcg@10_se"],
-                "rule": "paired randomization test over the dev queries (choice.py)", "why": said, "grid_best": self.best,
+                "rule": choice.RULE, "why": said, "grid_best": self.best,
                 "candidates": rows}
 
 

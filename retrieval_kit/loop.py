@@ -283,10 +283,10 @@ def reranker_group_scores(model, queries, groups, *, collate, device, autocast_d
 
 def choose_step(state, guard_margin=None):
     """--select-best on a retrieval metric (per-query values logged): among the validated steps, ordered from the
-    earliest (the closest to the base), the rule of choice.py - the earliest step a paired test over the
-    queries does not find worse than the best, the best when they cannot be told apart; with --guard-beir none
-    whose guard falls more than `guard_margin` below the first validation's (the base's at step 0). Sets
-    `state.best` to it, with every candidate's numbers and why; said in one line. Returns it."""
+    earliest (the closest to the base), the rule of choice.py - the earliest step that the dev queries show within
+    choice.MARGIN of the best, else the best; with --guard-beir none whose guard falls more than `guard_margin`
+    below the first validation's (the base's at step 0). Sets `state.best` to it, with every candidate's numbers
+    and why; said in one line. Returns it."""
     from .choice import choose
 
     steps = sorted(state.candidates, key=lambda c: c["step"])

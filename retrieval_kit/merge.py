@@ -21,8 +21,9 @@ the formula, the models, and with a dev split every candidate's scores. Differin
 sentence.
 
 With a dev split (`--dev-beir`, or a training run's --dev-queries with --merge-alphas) each alpha is scored
-and the smallest one whose dev nDCG@10 is within --tolerance (0.005 = 0.5 points) of the best is kept: the
-model closest to the base that gives up almost nothing in domain. Reported sets (`--report-beir`, a run's
+and the rule of choice.py keeps the smallest one that the dev queries show within 0.5 points of the best (a
+paired test and a bootstrap bound on its deficit), else the best: the model closest to the base that gives up
+almost nothing in domain, where the dev set can show it. `--tolerance` keeps the smallest within it instead. Reported sets (`--report-beir`, a run's
 --eval-beir) are scored for every candidate and never used to choose.
 """
 
@@ -33,7 +34,7 @@ import os
 
 import torch
 
-from . import dist, flags, heads, outputs
+from . import choice, dist, flags, heads, outputs
 from .st_format import SETTINGS_FILE, edit_json, read_spec
 
 
@@ -303,7 +304,7 @@ def choose(candidates, score, tolerance=None, base=None, guard_margin=None, metr
     """Score each (alpha, state-loading function) of `candidates` - score(per_query) -> {split: metrics} once
     the state is loaded, filling `per_query` with {split: {qid: metrics}} - and choose an alpha. By default
     the rule of retrieval_kit/choice.py over the dev queries: the closest to the base (the smallest alpha) that
-    a paired test does not find worse than the best; the best when dev cannot tell them apart; with guard
+    dev shows within choice.MARGIN of the best, else the best; with guard
     splits (--guard-beir), none that loses more than `guard_margin` of alpha 0's guard score (`base`: the
     loading function of alpha 0, scored for it when no candidate is 0). With an explicit `tolerance`, the
     smallest alpha within it of the best dev `metric`, as before. Returns (chosen alpha, rows: {"alpha",
@@ -342,8 +343,9 @@ def describe(chosen, rows, metric=("dev", "ndcg@10")):
              (said or "the smallest within the tolerance of the best") + ")"]
     for r in rows:
         c = r.get("choice", {})
-        extra = (f", p {c['p_worse_than_best']:.3f} that it is worse than the best" if "p_worse_than_best" in c else
-                 "") + (f", guard {c['guard']:.4f}{'' if c['guard_ok'] else ' (below the floor)'}" if "guard" in c else "")
+        extra = (f", p {c['p_worse_than_best']:.3f} that it is worse than the best, deficit at most "
+                 f"{c['deficit_bound']:.4f}" if "p_worse_than_best" in c else "") + \
+            (f", guard {c['guard']:.4f}{'' if c['guard_ok'] else ' (below the floor)'}" if "guard" in c else "")
         lines.append(f"  alpha {r['alpha']:g}: " + ", ".join(
             f"{s}/{metric[1]} {m[metric[1]]:.4f}" + (f" +- {m[metric[1] + '_se']:.4f}" if metric[1] + "_se" in m else "")
             for s, m in r.items() if s not in ("alpha", "choice") and metric[1] in m) + extra)
@@ -372,7 +374,7 @@ def dev_merge(final, base_dir, alphas, tolerance, score, device="cpu", guard_mar
     model.to("cpu").load_state_dict(interpolate(base, tuned, chosen))
     record = {"formula": "(1 - alpha) * base + alpha * tuned", "base": base_dir, "alpha": chosen,
               "chosen_on": "dev/ndcg@10", **({"tolerance": tolerance} if tolerance is not None else
-                                            {"rule": "paired randomization test over the dev queries (choice.py)"}),
+                                            {"rule": choice.RULE}),
               "candidates": rows}
     write(final, model, tok, settings, head, record, adapter and (adapter, chosen))  # (collective: rank 0 writes,
     return record  # staged, over the run's own export)
@@ -408,9 +410,9 @@ def main(argv=None):
                          "0's own bootstrap standard error on the guard queries)")
     ap.add_argument("--tolerance", type=flags.fraction, default=None,
                     help="with several --alpha: keep the smallest alpha within this of the best dev nDCG@10, instead "
-                         "of the default rule: the smallest alpha a paired randomization test over the dev queries does "
-                         "not find worse than the best, the best when the dev set cannot tell them apart "
-                         "(docs/pipeline.md)")
+                         "of the default rule: the smallest alpha that the dev queries show within 0.5 points of the "
+                         "best (not significantly worse, and a bootstrap bound on its deficit under 0.005), else the "
+                         "best (docs/pipeline.md)")
     ap.add_argument("--out", required=True, help="the merged export to write (a new or empty folder, or an earlier "
                     "merge)")
     a = ap.parse_args(argv)
@@ -476,7 +478,7 @@ def main(argv=None):
             dist.print0(describe(chosen, rows))
             record.update(alpha=chosen, chosen_on=f"{a.dev_beir} ndcg@10", candidates=rows,
                           **({"tolerance": a.tolerance} if a.tolerance is not None else
-                             {"rule": "paired randomization test over the dev queries (choice.py)",
+                             {"rule": choice.RULE,
                               "guard": a.guard_beir, "guard_margin": a.guard_margin}))
             model.to("cpu")
         else:

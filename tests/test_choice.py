@@ -1,16 +1,18 @@
 """Issue 62: the numbers a choice rests on, against hand computations on fixed tables - the bootstrap
 standard error against the plug-in formula, the paired randomization test's exact p-values (all sign
-patterns) and its seeded Monte-Carlo estimate - and the rule (retrieval_kit/choice.py): the best kept when
-the dev set cannot tell candidates apart, the closest to the base not significantly worse otherwise, a
-candidate that loses the guard never chosen while another holds it."""
+patterns) and its seeded Monte-Carlo estimate, the paired bootstrap's deficit bound against the binomial
+law - and the rule (retrieval_kit/choice.py): the best kept when the dev set cannot tell candidates apart or
+cannot show a closer one within the margin, the closest to the base shown within it otherwise, a candidate
+that loses the guard never chosen while another holds it."""
 
 import itertools
 import math
 
 import pytest
 
+from retrieval_kit import choice
 from retrieval_kit.choice import choose
-from retrieval_kit.metrics import bootstrap_se, paired_p, retrieval_metrics
+from retrieval_kit.metrics import bootstrap_se, deficit_bound, paired_p, retrieval_metrics
 
 
 def test_the_paired_test_is_the_share_of_sign_patterns_at_least_as_extreme():
@@ -43,6 +45,18 @@ def test_the_bootstrap_error_is_the_plug_in_standard_error():
     assert bootstrap_se(x) == bootstrap_se(x) and bootstrap_se([0.5]) == 0.0
 
 
+def test_the_deficit_bound_is_the_quantile_of_the_paired_bootstrap():
+    # a constant difference: every resample's mean is it
+    assert deficit_bound([0.9] * 10, [0.8] * 10) == pytest.approx(0.1)
+    # one query of 30 differs by c: a resample's mean is c * k / 30, k ~ Binomial(30, 1/30) draws of that query;
+    # P(k <= 2) = 0.923 < 0.95 < P(k <= 3) = 0.983 (by hand below), so the 95% bound is 3c / 30
+    cdf = [sum(math.comb(30, j) * (1 / 30) ** j * (29 / 30) ** (30 - j) for j in range(k + 1)) for k in range(5)]
+    assert cdf[2] < 0.94 and cdf[3] > 0.96
+    assert deficit_bound([0.9] * 30, [0.9] * 29 + [0.8]) == pytest.approx(3 * 0.1 / 30)
+    assert deficit_bound([0.9] * 30, [0.9] * 29 + [0.8], level=0.5) == pytest.approx(0.1 / 30)  # the median: k = 1
+    assert deficit_bound([0.5], [0.5]) == 0.0 and deficit_bound([], []) == 0.0
+
+
 def test_retrieval_metrics_give_each_querys_values():
     run = {"q1": {"a": 2.0, "b": 1.0}, "q2": {"a": 2.0, "b": 1.0}}
     qrels = {"q1": {"a": 1}, "q2": {"b": 1}}
@@ -52,17 +66,31 @@ def test_retrieval_metrics_give_each_querys_values():
     assert means["ndcg@10"] == pytest.approx((1 + 1 / math.log2(3)) / 2)
 
 
-# 30 queries: the best candidate (index 2) is ahead of candidate 0 on every query, of candidate 1 on two
+# 30 queries: the best candidate (index 2) is ahead of candidate 0 on every query; of NEAR on two, by 0.3 each
+# (2 points on the mean: not significantly, p 1/4, but nothing shows it within 0.5 points); of CLOSE on one by 0.02
 WORST = [0.5] * 30
 NEAR = [0.9] * 28 + [0.6, 0.6]
+CLOSE = [0.9] * 29 + [0.88]
 BEST = [0.9] * 30
 
 
-def test_the_closest_candidate_not_significantly_worse_than_the_best_is_kept():
-    chosen, rows = choose([{"name": 0.2, "dev": WORST}, {"name": 0.6, "dev": NEAR}, {"name": 1.0, "dev": BEST}])
+def test_the_closest_candidate_shown_within_the_margin_of_the_best_is_kept():
+    chosen, rows = choose([{"name": 0.2, "dev": WORST}, {"name": 0.6, "dev": CLOSE}, {"name": 1.0, "dev": BEST}])
     assert chosen == 1 and rows[0]["p_worse_than_best"] < 0.05 <= rows[1]["p_worse_than_best"]
-    assert "the closest to the base not significantly worse than the best (1.0" in rows[1]["chosen"]
+    assert rows[1]["deficit_bound"] == pytest.approx(3 * 0.02 / 30)  # (the bound's test above)
+    assert "the closest to the base that the dev set shows within 0.005 of the best (1.0" in rows[1]["chosen"]
     assert rows[2]["dev"] == pytest.approx(0.9) and rows[2]["dev_se"] < 1e-12
+    # a margin below its bound: the best is kept, and the words say why
+    chosen, rows = choose([{"name": 0.2, "dev": WORST}, {"name": 0.6, "dev": CLOSE}, {"name": 1.0, "dev": BEST}],
+                          margin=0.001)
+    assert chosen == 2 and "no candidate closer to the base is shown within 0.001" in rows[2]["chosen"]
+
+
+def test_not_significantly_worse_is_not_enough_to_give_up_dev():
+    # NEAR is not significantly worse (p 1/4 on two queries) but may be 4 points worse: the best is kept
+    chosen, rows = choose([{"name": 0.2, "dev": WORST}, {"name": 0.6, "dev": NEAR}, {"name": 1.0, "dev": BEST}])
+    assert chosen == 2 and rows[1]["p_worse_than_best"] >= 0.05 and rows[1]["deficit_bound"] > 0.005
+    assert "no candidate closer to the base is shown within 0.005" in rows[2]["chosen"]
 
 
 def test_candidates_the_dev_set_cannot_tell_apart_keep_the_best_and_say_so():
@@ -164,7 +192,7 @@ def test_a_run_logs_every_dev_and_guard_number_with_its_error_and_records_its_ch
         got = [r for r in rows if r["split"] == split]
         assert [r["step"] for r in got] == [0, 2] and all(r["ndcg@10_se"] >= 0 for r in got), (split, got)
     record = json.load(open(run / "final" / "retrieval_kit.json"))["merge"]
-    assert record["rule"].startswith("paired randomization test")
+    assert record["rule"] == choice.RULE and "paired randomization test" in record["rule"]
     assert all(name in c and "p_worse_than_best" in c["choice"] or not c["choice"]["guard_ok"]
                for c in record["candidates"])
     assert sum("chosen" in c["choice"] for c in record["candidates"]) == 1
@@ -258,4 +286,5 @@ def test_select_best_on_dev_follows_the_rule_over_every_validated_step(tiny_mode
     if "cannot tell" in selected["why"]:
         assert selected["step"] == best["name"]
     else:
-        assert selected["step"] == min(r["name"] for r in held if r["p_worse_than_best"] >= 0.05)
+        assert selected["step"] == min(r["name"] for r in held if r["p_worse_than_best"] >= 0.05
+                                       and r["deficit_bound"] <= 0.005)
