@@ -12,7 +12,8 @@ checkpoints and final/ (an exported model dir).
 import functools
 import os
 
-from retrieval_kit import ckpt, cli, data, dist, dropout, evaluate, log, loop, lora, merge, optim, plan, precision, records
+from retrieval_kit import (ckpt, cli, data, dist, dropout, evaluate, heads, log, loop, lora, merge, optim, plan, precision,
+                           records)
 from retrieval_kit.collate import biencoder_inputs
 from retrieval_kit.ema import EMA
 from retrieval_kit.export import export_model, model_card
@@ -20,7 +21,6 @@ from retrieval_kit.formats import exit_on_data_error
 from retrieval_kit.losses import biencoder_loss, contrastive_loss, matryoshka, matryoshka_plan
 from retrieval_kit.metrics import WindowedAverage
 from retrieval_kit.models import default_model_dir, load_once, load_tokenizer
-from retrieval_kit.st_format import read_spec
 
 
 def parse_args(argv=None):
@@ -71,10 +71,10 @@ def main():
     # ----- the head (the kind of model), once; the model in the storage dtype; resume, part 1 --------
     storage_dtype, compute_dtype, autocast_dtype = cli.precision_dtypes(args)  # precision.resolve
     model_dir = args.model or default_model_dir()
-    spec = read_spec(model_dir)  # what the dir holds, validated as a whole
-    settings = evaluate.biencoder_settings(spec, cli.setting_overrides(args), training=True)  # says what the dir set
+    spec = heads.read_spec(model_dir)  # what the dir holds, validated as a whole
+    settings = heads.biencoder_settings(spec, cli.setting_overrides(args), training=True)  # says what the dir set
     head = cli.head_flags(args, settings["head"], spec=spec)  # --head or the dir's (heads/); another head's flag: one sentence
-    tokenizer = load_tokenizer(model_dir, args.trust_remote_code, spec.markers)
+    tokenizer = load_tokenizer(model_dir, args.trust_remote_code, spec.prepare_tokenizer)
     encoder, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
         functools.partial(head.load, model_dir, storage_dtype, spec=spec, dim=args.multi_vector_dim, seed=args.seed,
                           **cli.load_settings(args), **cli.head_load_settings(args, head)), args.parallel == "fsdp2", ctx)

@@ -27,7 +27,6 @@ from retrieval_kit.losses import RERANK_LOSSES, reranker_loss
 from retrieval_kit.metrics import WindowedAverage
 from retrieval_kit.models import (check_max_lengths, default_model_dir, is_decoder_only, load_once, load_tokenizer,
                                   make_bidirectional, setup_pad_token)
-from retrieval_kit.st_format import read_spec
 
 
 def parse_args(argv=None):
@@ -135,7 +134,7 @@ def main():
     storage_dtype, compute_dtype, autocast_dtype = cli.precision_dtypes(args)  # precision.resolve
     model_dir = args.model or default_model_dir()
     head = heads.get(args.head)  # heads/classifier.py (a one-logit head), heads/lm.py (logit(yes) - logit(no))
-    heads.check_dir(read_spec(model_dir), head.NAME)  # a dir of another kind (a multi-vector export): one sentence
+    heads.check_dir(heads.read_spec(model_dir), head.NAME)  # a dir of another kind (a multi-vector export): one sentence
     tokenizer = set_padding_side(load_tokenizer(model_dir, args.trust_remote_code), args.padding_side, head)
     net, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
         functools.partial(head.load, model_dir, storage_dtype, **cli.load_settings(args)), args.parallel == "fsdp2", ctx)

@@ -25,75 +25,15 @@ def prompt_length(tokenizer, prompt):
     return len(ids) - (1 if ids and ids[-1] in set(tokenizer.all_special_ids) else 0)
 
 
-class MaxSimSide:
-    """How --head multi-vector tokenizes one side (queries or passages), as sentence-transformers'
-    MultiVectorEncoder does (its Transformer's query_expansion, its MultiVectorMask's skiplist):
-
-      expansion_id: the query side's ColBERT query expansion (None: off): every query is padded to
-                    its max length and its pad positions take this id (the [MASK] token), which
-                    MaxSim scores; the encoder attends to them only with `attend`
-      skip_ids:     ids MaxSim does not score (ColBERT's punctuation, on the passage side)
-
-    `tokenize` then adds "maxsim_mask" to the batch: the tokens MaxSim scores (models.token_vectors).
-    Built by `maxsim_sides` from a model's settings."""
-
-    def __init__(self, expansion_id=None, attend=False, skip_ids=()):
-        self.expansion_id, self.attend = expansion_id, attend
-        self.skip_ids = torch.tensor(sorted(set(skip_ids)), dtype=torch.long)
-
-    def apply(self, batch):
-        mask = batch["attention_mask"]
-        score = mask.bool()
-        if self.expansion_id is not None:  # (right padding: maxsim_sides refuses left)
-            pads = mask == 0
-            batch["input_ids"] = batch["input_ids"].masked_fill(pads, self.expansion_id)
-            score = score | pads
-            if self.attend:
-                batch["attention_mask"] = mask.masked_fill(pads, 1)
-        if len(self.skip_ids):
-            score = score & ~torch.isin(batch["input_ids"], self.skip_ids)
-        batch["maxsim_mask"] = score.to(mask.dtype)
-        return batch
-
-
-def skiplist_ids(tokenizer, words):
-    """The ids of a skiplist's words, as MultiVectorMask resolves them: each word's id in the vocabulary,
-    a word that is not one token (the unknown token's id) left out."""
-    unk = tokenizer.unk_token_id
-    ids = [tokenizer.convert_tokens_to_ids(w) for w in words]
-    return [i for i, w in zip(ids, words) if i is not None and (i != unk or w == tokenizer.unk_token)]
-
-
-def maxsim_sides(tokenizer, settings):
-    """{"q": MaxSimSide | None, "p": MaxSimSide | None} of a --head multi-vector model's settings
-    (query_expansion: None or {"attend", "token"}; skiplist_words: the passage side's); both None for a
-    multi-vector model with neither (heads/multi_vector.sides)."""
-    q = p = None
-    expansion = settings.get("query_expansion")
-    if expansion:
-        token = expansion.get("token")
-        token_id = tokenizer.convert_tokens_to_ids(token) if token else (
-            tokenizer.mask_token_id if tokenizer.mask_token_id is not None else tokenizer.eos_token_id)
-        if token_id is None:
-            raise SystemExit(f"--query-expansion: {type(tokenizer).__name__} has no mask token and no EOS token to "
-                             "expand queries with; pass --query-expansion off")
-        if tokenizer.padding_side == "left":
-            raise SystemExit("--query-expansion: the tokenizer pads on the left (a decoder); ColBERT's query "
-                             "expansion fills the padding after each query: pass --query-expansion off")
-        q = MaxSimSide(token_id, bool(expansion.get("attend")))
-    if settings.get("skiplist_words"):
-        p = MaxSimSide(skip_ids=skiplist_ids(tokenizer, settings["skiplist_words"]))
-    return {"q": q, "p": p}
-
-
 def tokenize(tokenizer, texts, max_length, prefix="", pad_to_multiple_of=None, side=None):
     """Tokenize `texts` (with an optional prefix such as "query: ", left off a text that carries its
     own prompt: textstore.PromptedQuery) to a padded batch of tensors. A PooledWithout prefix adds
     "pool_mask": the attention mask with the prefix's tokens off, which the pooling then uses. A
-    MaxSimSide `side` adds "maxsim_mask" (and with query expansion pads every text to max_length)."""
+    `side` (a head's, head.sides: `side.apply(batch)` adds what the head reads, and with `side.fixed_width`
+    every text is padded to max_length) is applied last."""
     got = [not getattr(t, "prompted", False) for t in texts]
     texts = [prefix + t if g else t for t, g in zip(texts, got)] if prefix else list(texts)
-    if side is not None and side.expansion_id is not None:  # ColBERT's fixed query width
+    if side is not None and side.fixed_width:  # (e.g. ColBERT's query expansion)
         return side.apply(tokenizer(texts, max_length=max_length, truncation=True, padding="max_length",
                                     return_tensors="pt"))
     if pad_to_multiple_of and max_length % pad_to_multiple_of:
@@ -126,7 +66,7 @@ def collate_biencoder(tokenizer, queries, groups, query_max_length, passage_max_
 
     Passages are flattened query-major: [q0_pos, q0_neg1, ..., q1_pos, ...], so the positive of
     query i sits at row i * n_passages.  Returns (q_batch (B, Lq), p_batch (B*n, Lp)). `sides`:
-    maxsim_sides (--head multi-vector).
+    {"q", "p"}: how the head tokenizes each side (head.sides), or None.
     """
     n = len(groups[0])
     if any(len(g) != n for g in groups):
@@ -425,7 +365,7 @@ def biencoder_inputs(queries, groups, *, tokenizer, query_max_length, passage_ma
     length chunks of at most `chunk_tokens` padded tokens (chunking.chunk_batch), of widths rounded
     to `pad_to_multiple_of`; `same_chunk_count`: as many chunks on every rank (FSDP2). Also
     "p_keys", each passage's text_keys, for the loss's duplicate masking (not a model input). `sides`:
-    maxsim_sides (--head multi-vector)."""
+    {"q", "p"}: how the head tokenizes each side (head.sides), or None."""
     q, p = collate_biencoder(tokenizer, queries, groups, query_max_length, passage_max_length, query_prefix,
                              passage_prefix, pad_to_multiple_of, sides)
     return {"q": chunk_batch(q, chunk_tokens, pad_to_multiple_of, query_max_length if same_chunk_count else None),

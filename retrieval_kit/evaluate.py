@@ -25,9 +25,8 @@ from .formats import read_corpus, read_qrels, read_queries
 from .encode import encode_shard, encode_sharded, score_pairs
 from .export import load_exported_reranker
 from .metrics import rank_docs, retrieval_metrics
-from .models import decoder_dir, default_model_dir, load_tokenizer, prepare_embedder
+from .models import default_model_dir, load_tokenizer, prepare_embedder
 from .search import sharded_topk
-from .st_format import KIT_DEFAULTS, read_spec, resolve_biencoder_settings, resolve_head
 
 
 def _beir_file(path):
@@ -56,35 +55,16 @@ def load_beir(beir_dir, split="test"):
     return ids, texts, queries, qrels
 
 
-def biencoder_settings(spec, flags, training=False):
-    """Pooling, normalization, prefixes, max lengths and the head (with its own settings): explicit flags
-    (not None), else the export's retrieval_kit.json, else the dir's sentence-transformers files (`spec`:
-    st_format.read_spec), else the kit's defaults (a decoder's pooling: last, the token that has read the
-    whole text); prints what it read from sentence-transformers files. A reranker export, or a dir whose
-    own head is not the one asked for (heads.check_dir), is one sentence. `training`: an export's queries
-    at the length it was trained at (train_query_max_length), not the one it is served at."""
-    defaults = {**KIT_DEFAULTS, "pooling": "last"} if decoder_dir(spec.path) else KIT_DEFAULTS
-    head = resolve_head(spec, flags, defaults)
-    if spec.kit.get("kind") == "reranker" or head not in heads.EMBEDDING:  # a classification head embeds nothing
-        raise SystemExit(f"{spec.path}: a reranker export (its retrieval_kit.json), not a bi-encoder: pass a dir "
-                         "train_biencoder.py exported (or any embedding model) where a bi-encoder is asked for")
-    heads.check_dir(spec, head)
-    settings, read = resolve_biencoder_settings(spec, flags, defaults, heads.get(head).SETTINGS, training)
-    if read:
-        dist.print0(read)
-    return settings
-
-
 def load_biencoder(model_dir, flags=None, dtype=torch.float32, trust_remote_code=False, device="cpu",
                    compute_dtype=None):
     """(model, tokenizer, settings, head) of a bi-encoder dir (an export, a sentence-transformers dir of
     any kind the kit reads, a plain model) ready for inference on `device`: its head's module
     (head.embedder: `model(q=batch)` / `model(p=batch)`), in eval mode, the forward under autocast to
-    `compute_dtype` (None: none); its settings as biencoder_settings resolves them from `flags`."""
-    spec = read_spec(model_dir)
-    settings = biencoder_settings(spec, flags or {})
+    `compute_dtype` (None: none); its settings as heads.biencoder_settings resolves them from `flags`."""
+    spec = heads.read_spec(model_dir)
+    settings = heads.biencoder_settings(spec, flags or {})
     head = heads.get(settings["head"])
-    tokenizer = load_tokenizer(model_dir, trust_remote_code, spec.markers)
+    tokenizer = load_tokenizer(model_dir, trust_remote_code, spec.prepare_tokenizer)
     model = head.load(model_dir, dtype, spec=spec, trust_remote_code=trust_remote_code).to(device)
     precision.autocast_forward(model, torch.device(device).type, compute_dtype)
     prepare(tokenizer, model, dict(settings), head)  # a decoder: pad token, left padding, EOS for last pooling
@@ -118,7 +98,7 @@ def retrieve_dims(model, tokenizer, settings, beir, dims, k=100, batch_size=64, 
 
     ids, texts, queries, qrels = beir
     qids = [q for q in queries if q in qrels]
-    head = heads.get(settings.get("head", KIT_DEFAULTS["head"]))
+    head = heads.get(settings.get("head", heads.EMBEDDING[0]))
     sides = head.sides(tokenizer, settings)  # multi-vector: query expansion, the passages' skiplist
     p_own, offset = encode_shard(model, tokenizer, texts, settings["passage_max_length"], settings["passage_prefix"],
                                  batch_size, device, progress, "corpus", sides["p"], head, "p")

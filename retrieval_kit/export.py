@@ -36,7 +36,7 @@ from .dist import barrier, rank, unwrap
 from .flags import writing
 from .outputs import publish, stage as make_stage, staging
 from .lora import merged_state_dict, widest_dtype, write_adapter
-from .st_format import KIT_DEFAULTS, SETTINGS_FILE, edit_json, write_chat_template
+from .st_format import SETTINGS_FILE, edit_json, write_chat_template
 PROBES = [("how do i list files", "ls lists directory contents " * 200), ("q", "p"),
           ("a fast compressor for data", "zstd is a fast lossless compression algorithm")]
 
@@ -75,7 +75,7 @@ def export_model_(out_dir, model, tokenizer, settings, publish=True, card=None, 
             settings = {**settings, "lora": lora}
         embedding = settings.get("kind") == "biencoder"
         if embedding:
-            settings = {"head": KIT_DEFAULTS["head"], **settings}
+            settings = {"head": heads.EMBEDDING[0], **settings}
         head = heads.get(settings["head"]) if embedding else None  # (a reranker's files: export_reranker)
         head_weights = head.split_export(weights) if embedding else {}  # a Dense or projection: its own module dir
         dtype = str(widest_dtype(weights)).replace("torch.", "")  # (save_pretrained may empty `weights`)
@@ -208,7 +208,7 @@ def export_reranker(out_dir, net, tokenizer, settings, trust_remote_code=False, 
 
 def _export_reranker(out_dir, net, tokenizer, settings, trust_remote_code, card, seq_cls, finish):
     seq_cls = "seq_cls" in settings if seq_cls is None else seq_cls  # (rebuilt, and recorded anew)
-    settings = {"head": heads.CLASSIFIER, **settings}  # (the default head, as train_reranker.py's)
+    settings = {"head": heads.RERANKER[0], **settings}  # (the default head, as train_reranker.py's)
     template, max_length = settings["prompt_template"], settings["rerank_max_length"]
     head = heads.get(settings["head"])
     reasons = head.kit_only_reasons(settings["pooling"], settings.get("bidirectional", False))
@@ -264,9 +264,8 @@ def load_exported_reranker(model_dir, dtype=torch.float32, trust_remote_code=Fal
     """(the head's scorer in eval mode, tokenizer, settings) from a train_reranker.py export, with the
     saved padding side, pooling and attention direction applied."""
     from .models import load_tokenizer, make_bidirectional, setup_pad_token
-    from .st_format import read_spec
 
-    settings = read_spec(model_dir).kit  # (the dir read and checked as a whole)
+    settings = heads.read_spec(model_dir).kit  # (the dir read and checked as a whole)
     if settings.get("kind") != "reranker":
         raise SystemExit(f"{model_dir}: " + (f"a {settings['kind']} export (its {SETTINGS_FILE}), not a reranker" if
                                              settings.get("kind") else f"not an export of train_reranker.py (no "
@@ -276,7 +275,7 @@ def load_exported_reranker(model_dir, dtype=torch.float32, trust_remote_code=Fal
     if missing:
         raise SystemExit(f"{os.path.join(model_dir, SETTINGS_FILE)}: no {' or '.join(missing)} (how the reranker "
                          "tokenized pairs): copy the export whole again")
-    head = heads.get(settings.get("head", heads.CLASSIFIER))
+    head = heads.get(settings.get("head", heads.RERANKER[0]))
     tokenizer = load_tokenizer(model_dir, trust_remote_code)
     if settings.get("padding_side"):
         tokenizer.padding_side = settings["padding_side"]

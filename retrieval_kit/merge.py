@@ -35,7 +35,7 @@ import os
 import torch
 
 from . import choice, dist, flags, heads, outputs
-from .st_format import SETTINGS_FILE, edit_json, read_spec
+from .st_format import SETTINGS_FILE, edit_json
 
 
 # ----- the maths ------------------------------------------------------------------------------------
@@ -120,7 +120,6 @@ def load(path, dim=None, seed=0, like=None):
     """(the raw model with its head, tokenizer, settings, head module) of a dir: an export of the kit, a
     run's checkpoint (checkpoint_of), or any dir the kit reads as the head `like` (a base: a plain or
     sentence-transformers dir)."""
-    from .evaluate import biencoder_settings
 
     ckpt = None if like is not None else checkpoint_of(path)
     if ckpt is not None:
@@ -145,8 +144,8 @@ def load(path, dim=None, seed=0, like=None):
     from .export import load_exported_reranker
     from .models import load_tokenizer
 
-    spec = read_spec(path)
-    name = like or spec.head or heads.SINGLE_VECTOR
+    spec = heads.read_spec(path)
+    name = like or spec.head or heads.EMBEDDING[0]
     if like is not None:
         heads.check_dir(spec, like)  # (differing kinds: one sentence naming both)
     if name in heads.RERANKER:
@@ -154,10 +153,10 @@ def load(path, dim=None, seed=0, like=None):
             model, tok, settings = load_exported_reranker(path)
             return model.model, tok, settings, heads.get(name)
         return heads.get(name).load(path), load_tokenizer(path), {}, heads.get(name)
-    settings = biencoder_settings(spec, {"head": name})
+    settings = heads.biencoder_settings(spec, {"head": name})
     head = heads.get(name)
     model = head.load(path, spec=spec, dim=dim or settings.get("multi_vector_dim"), seed=seed)
-    return model, load_tokenizer(path, markers=spec.markers), {**spec.kit, **settings}, head
+    return model, load_tokenizer(path, prepare=spec.prepare_tokenizer), {**spec.kit, **settings}, head
 
 
 def base_state(path, like, dim=None):
@@ -450,7 +449,7 @@ def main(argv=None):
     exports = [(flag, (checkpoint_of(path) or (path,))[0])  # (a checkpoint's architecture: its run's final/)
                for flag, path in ins if path and flag in ("--tuned", "--models")]
     ins += [(f"{flag} (its run's export, read for the architecture)", d) for flag, d in exports]
-    if a.biencoder and read_spec(exports[0][1]).kit.get("kind") != "reranker":
+    if a.biencoder and heads.read_spec(exports[0][1]).kit.get("kind") != "reranker":
         ap.error(f"--biencoder: {a.tuned} is a bi-encoder; --biencoder names the first stage whose top 10 a reranker's "
                  "candidates rerank: drop the flag")
     outputs.check_dir("--out", a.out, SETTINGS_FILE, ins)

@@ -53,11 +53,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voca
                    "spiece.model", "sentencepiece.bpe.model", "merges.txt")
 
 
-def load_tokenizer(path, trust_remote_code=False, markers=()):
+def load_tokenizer(path, trust_remote_code=False, prepare=None):
     """AutoTokenizer from `path`; one sentence if it cannot load, or if the dir holds no tokenizer
-    file at all (transformers then builds an empty vocabulary: every word would be [UNK]). `markers`: a
-    PyLate or Stanford ColBERT dir's prefix markers (its spec's, st_format.read_spec), made whole tokens
-    (register_markers)."""
+    file at all (transformers then builds an empty vocabulary: every word would be [UNK]). `prepare`:
+    what the dir's spec asks of its tokenizer (DirSpec.prepare_tokenizer, e.g. markers kept whole)."""
     from transformers import AutoTokenizer
 
     if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, n)) for n in TOKENIZER_FILES):
@@ -65,31 +64,9 @@ def load_tokenizer(path, trust_remote_code=False, markers=()):
                          "...; transformers would build an empty vocabulary)")
     with loading(path, "tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if markers:  # a PyLate / Stanford ColBERT dir: its [Q] / [D] markers stay whole tokens
-        register_markers(tokenizer, markers)
+    if prepare is not None:
+        prepare(tokenizer)
     return tokenizer
-
-
-def register_markers(tokenizer, markers):
-    """Make prefix markers ("[Q] ", "[unused0] ") single tokens when the tokenizer knows them but would
-    split them, as MultiVectorEncoder does on loading a PyLate or Stanford ColBERT dir: each marker (or its
-    first word) that is in the vocabulary or an added token, and does not tokenize to itself, becomes a
-    special token that is not normalized. Prepending the marker as text then gives the ids PyLate
-    inserted. Returns the tokens registered."""
-    from tokenizers import AddedToken
-
-    added, vocab = set(tokenizer.added_tokens_encoder), tokenizer.get_vocab()
-    todo = []
-    for value in markers:
-        for token in (value, value.split(None, 1)[0] if value.split() else value):
-            if token not in added and token not in vocab:
-                continue
-            if tokenizer.tokenize(token) != [token]:
-                todo.append(AddedToken(token, normalized=False, special=True))
-            break
-    if todo:
-        tokenizer.add_special_tokens({"additional_special_tokens": todo})
-    return [t.content for t in todo]
 
 
 def attn_kwargs(attn_implementation):

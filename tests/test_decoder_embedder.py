@@ -14,9 +14,9 @@ from transformers import AutoModel, AutoTokenizer
 
 from retrieval_kit import ckpt, lora
 from retrieval_kit.collate import tokenize
-from retrieval_kit.evaluate import biencoder_settings
+from retrieval_kit.heads import biencoder_settings
 from retrieval_kit.heads.single_vector import BiEncoder, encode
-from retrieval_kit.st_format import read_spec
+from retrieval_kit.heads import read_spec
 from retrieval_kit.models import (load_encoder, load_tokenizer, make_bidirectional,
                                   prepare_embedder)
 from tests.conftest import run_script, WORDS

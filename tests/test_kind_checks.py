@@ -104,14 +104,14 @@ def exports(tmp_path_factory, tiny_model_dir):
 @pytest.mark.parametrize("held,asked", [("multi-vector", "single-vector"), ("sparse", "multi-vector"),
                                         ("multi-vector", "sparse"), ("sparse", "classifier")])
 def test_a_dir_of_one_kind_with_another_head_is_refused_naming_both(exports, held, asked):
-    from retrieval_kit.st_format import read_spec
+    from retrieval_kit.heads import read_spec
 
     with pytest.raises(SystemExit, match=rf"the head it holds is {held}, and --head {asked} would"):
         heads.check_dir(read_spec(exports[held]), asked)
 
 
 def test_a_one_vector_dir_starts_any_head(exports):
-    from retrieval_kit.st_format import read_spec
+    from retrieval_kit.heads import read_spec
 
     for name in heads.MODULES:
         heads.check_dir(read_spec(exports["single-vector"]), name)
@@ -129,7 +129,7 @@ def test_damaged_dirs_as_users_met_them_are_one_sentence(exports, tmp_path):
     """A length that is not a number, a skiplist of numbers / null / a string, a projection config missing a
     field or of another width than the model or its weights, missing weights, expansion without a length,
     modules.json not a list, a broken retrieval_kit.json."""
-    from retrieval_kit.st_format import read_spec
+    from retrieval_kit.heads import read_spec
 
     def damaged(rel, edit):
         d = tmp_path / f"d{len(os.listdir(tmp_path))}"
@@ -185,7 +185,7 @@ def test_a_multi_vector_dim_against_the_dirs_own_is_one_sentence(exports, tmp_pa
     """Issue 61: --multi-vector-dim 64 with a multi-vector dir (its projection 8 wide) is refused, in the script
     and in plan, not dropped; unset, the flag takes the dir's width (what the run header records)."""
     from retrieval_kit import plan
-    from retrieval_kit.st_format import read_spec
+    from retrieval_kit.heads import read_spec
 
     spec = read_spec(exports["multi-vector"])
     args = cli.parse(cli.biencoder_parser(), ["--multi-vector-dim", "64"])

@@ -117,7 +117,7 @@ def test_a_multi_vector_export_embeds_and_scores_alike_in_multi_vector_encoder(t
                                                                                 tmp_path):
     final, fq, fd = train_and_compare(tiny_model_dir, small_train_file, tmp_path / "run")
     # the weights moved: a fresh projection from the same seed gives other vectors
-    from retrieval_kit.st_format import read_spec
+    from retrieval_kit.heads import read_spec
 
     fresh = multi_vector.load(tiny_model_dir, dim=16, seed=42)
     trained = multi_vector.load(final, spec=read_spec(final)).multi_vector.linear.weight
@@ -197,7 +197,7 @@ def test_a_multi_vector_run_validates_retrieves_and_selects_and_its_export_is_an
     projection (8 dims here, not the flag's default 128), with its weights."""
     from safetensors.torch import load_file
 
-    from retrieval_kit.st_format import read_spec
+    from retrieval_kit.heads import read_spec
 
     out = tmp_path / "run"
     run_script("train_biencoder.py", ["--model", mv_export, "--train-file", small_train_file, "--val-file",

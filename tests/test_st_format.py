@@ -10,12 +10,13 @@ import torch
 from transformers import AutoTokenizer
 
 from retrieval_kit.encode import encode_texts
-from retrieval_kit.evaluate import biencoder_settings
+from retrieval_kit.heads import biencoder_settings
 from retrieval_kit.export import export_model
 from retrieval_kit.heads import single_vector
 from retrieval_kit.heads.single_vector import BiEncoder
 from retrieval_kit.models import load_encoder
-from retrieval_kit.st_format import (load_settings, read_spec, read_st_settings, resolve_biencoder_settings,
+from retrieval_kit.heads import read_spec
+from retrieval_kit.st_format import (load_settings, read_st_settings, resolve_biencoder_settings,
                                      SETTINGS_FILE)
 from tests.conftest import minilm_dir, read_jsonl, run_script
 

@@ -56,24 +56,86 @@ Reranker heads (train_reranker.py; the step runs `head.scorer(...)`, a logit per
   kit_only_reasons(pooling, bidirectional)   why stock loaders would score the export otherwise
   write_export(stage, settings, tokenizer)   its files for CrossEncoder / AutoModelFor...Classification
 
-Adding a kind: one module here with these functions, one line in MODULES, its tests (docs/architecture.md).
+A dir's part of each kind (heads own their dirs; st_format reads and writes only what all kinds share):
+
+  read_dir(path)                 embedding heads: None for a dir of another kind, else (its sentence-
+                                 transformers settings in the kit's keys, its own part: DirSpec.own)
+  RECORD_FIELDS                  (optional) {key: (check, what)} of what it keeps in retrieval_kit.json
+
+Adding a kind: one module here with these functions, one line in KINDS, its tests (docs/architecture.md).
 """
 
-import importlib
+import os
 
-MODULES = {"single-vector": "single_vector", "multi-vector": "multi_vector", "sparse": "sparse",  # embedding heads
-           "classifier": "classifier", "lm": "lm"}  # reranker heads
-EMBEDDING = ("single-vector", "multi-vector", "sparse")  # the first: the default bi-encoder head
-RERANKER = ("classifier", "lm")  # the first: the default reranker head
-SINGLE_VECTOR, MULTI_VECTOR, SPARSE = EMBEDDING  # the names, for a dir's spec (st_format) to say what it holds
-CLASSIFIER, LM = RERANKER
+from .. import dist
+from ..models import decoder_dir
+from ..st_format import (KIT_DEFAULTS, SETTINGS_FILE, DirSpec, bad_field, check_hf_files, check_linear, hidden_size_of,
+                         is_cross_encoder, load_settings, resolve_biencoder_settings)
+from . import classifier, lm, multi_vector, single_vector, sparse
+
+KINDS = {"embedding": (single_vector, multi_vector, sparse), "reranker": (classifier, lm)}  # the first: the default
+MODULES = {m.NAME: m for family_ in KINDS.values() for m in family_}
+EMBEDDING = tuple(m.NAME for m in KINDS["embedding"])
+RERANKER = tuple(m.NAME for m in KINDS["reranker"])
+READS = (multi_vector, sparse, single_vector)  # the order a dir is asked whose kind it holds (most specific first)
+RECORD_FIELDS = {k: v for m in MODULES.values() for k, v in getattr(m, "RECORD_FIELDS", {}).items()}
 
 
 def get(name):
     """The module of the kind `name` (one of MODULES); one sentence for an unknown name."""
     if name not in MODULES:
         raise SystemExit(f"unknown head {name!r}: the kit trains {', '.join(MODULES)}")
-    return importlib.import_module(f"{__name__}.{MODULES[name]}")
+    return MODULES[name]
+
+
+def read_spec(model_dir):
+    """The dir read as a whole, before any weights load: retrieval_kit.json (st_format.load_settings, with
+    every head's RECORD_FIELDS), the Hugging Face files' fields, then each embedding head asked in turn
+    (READS) whether the dir is of its kind; the linear modules it brings checked against the model's width
+    (config.json's hidden_size) and their own weights. One sentence naming the file and the field for
+    anything wrong."""
+    kit = load_settings(model_dir, RECORD_FIELDS)
+    if "head" in kit and not (isinstance(kit["head"], str) and kit["head"] in MODULES):
+        bad_field(os.path.join(model_dir, SETTINGS_FILE), "head", kit["head"], "one of " + ", ".join(MODULES))
+    check_hf_files(model_dir)
+    if kit.get("kind") == "reranker" or is_cross_encoder(model_dir):  # its modules score pairs: no embedding spec
+        return DirSpec(model_dir, (kit.get("head") or RERANKER[0]) if kit.get("kind") == "reranker" else None, kit)
+    found, st, own = None, {}, {}
+    for head in READS:
+        part = head.read_dir(model_dir)
+        if part is not None:
+            (st, own), found = part, head.NAME
+            break
+    hidden = hidden_size_of(model_dir)
+    for linear, what in own.get("linear", []):
+        check_linear(model_dir, linear, hidden, what)
+    head = kit.get("head") or found or (EMBEDDING[0] if kit.get("kind") == "biencoder" else None)
+    return DirSpec(model_dir, head, kit, st, own)
+
+
+def resolve_head(spec, flags, defaults=None):
+    """The head a bi-encoder run or tool takes, in resolve_biencoder_settings' order; EMBEDDING[0] at last."""
+    return next((v["head"] for v in (flags, spec.kit, spec.st, defaults or {}) if v.get("head") is not None),
+                EMBEDDING[0])
+
+
+def biencoder_settings(spec, flags, training=False):
+    """The embedding head and its settings - pooling, normalization, prefixes, max lengths and the head's
+    own: explicit flags (not None), else the export's retrieval_kit.json, else the dir's sentence-
+    transformers files (`spec`: read_spec), else the kit's defaults (a decoder's pooling: last, the token
+    that has read the whole text); prints what it read from sentence-transformers files. A reranker export,
+    or a dir whose own head is not the one asked for (check_dir), is one sentence. `training`: an export's
+    queries at the length it was trained at (train_query_max_length), not the one it is served at."""
+    defaults = {**KIT_DEFAULTS, "head": EMBEDDING[0], **({"pooling": "last"} if decoder_dir(spec.path) else {})}
+    name = resolve_head(spec, flags, defaults)
+    if spec.kit.get("kind") == "reranker" or name not in EMBEDDING:  # a classification head embeds nothing
+        raise SystemExit(f"{spec.path}: a reranker export (its retrieval_kit.json), not a bi-encoder: pass a dir "
+                         "train_biencoder.py exported (or any embedding model) where a bi-encoder is asked for")
+    check_dir(spec, name)
+    settings, read = resolve_biencoder_settings(spec, flags, defaults, get(name).SETTINGS, training)
+    if read:
+        dist.print0(read)
+    return settings
 
 
 def family(name):
@@ -88,7 +150,7 @@ def check_dir(spec, name):
     continues as that head only, since another would drop or misread it."""
     if spec.head is None or spec.head == name:
         return
-    if spec.head == "single-vector" and spec.dense is None and not spec.kit.get("kind") == "reranker":
+    if spec.head == "single-vector" and spec.own.get("dense") is None and not spec.kit.get("kind") == "reranker":
         return
     if spec.head in EMBEDDING and name in RERANKER and spec.head == "single-vector":
         return  # (a Dense after the pooling is not part of a cross-encoder's input)

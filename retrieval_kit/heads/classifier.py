@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from ..chunking import Chunked, run_chunked
 from ..models import load_auto, pool
+from ..st_format import IDENTITY, drop_chat_template, edit_json
 
 NAME = "classifier"
 FLAGS = {"pooling": "native", "head_lr_mult": 1.0}
@@ -138,7 +139,6 @@ def write_export(stage, settings, tokenizer):
     import os
 
     from ..collate import PAIR
-    from ..st_format import IDENTITY, drop_chat_template, edit_json
 
     edit_json(os.path.join(stage, "config.json"),
               lambda c: c.setdefault("sentence_transformers", {}).update(activation_fn=IDENTITY))

@@ -11,8 +11,13 @@ import torch
 
 from ..chunking import Chunked, run_chunked
 from ..models import encoder_type, load_auto, pool
+from ..st_format import IDENTITY, SETTINGS_FILE, write_json_files
 
 NAME = "lm"
+RECORD_FIELDS = {  # what it keeps in an export's retrieval_kit.json: (check, what it must be)
+    "lm_token_ids": (lambda v: v is None or (isinstance(v, list) and len(v) == 2 and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)), "two vocabulary ids, or null"),
+}
 FLAGS = {"lm_tokens": ["yes", "no"], "export_seq_cls": False}
 
 
@@ -96,11 +101,10 @@ def kit_only_reasons(pooling, bidirectional):
 
 
 def write_export(stage, settings, tokenizer):
-    """sentence-transformers' files: the causal LM, then LogitScore on the last position (st_format)."""
+    """sentence-transformers' files: the causal LM, then LogitScore on the last position (write_cross_encoder_files)."""
     from ..collate import PAIR
-    from ..st_format import write_lm_cross_encoder_files
 
-    write_lm_cross_encoder_files(stage, settings["lm_token_ids"], settings["rerank_max_length"],
+    write_cross_encoder_files(stage, settings["lm_token_ids"], settings["rerank_max_length"],
                                  chat=settings["prompt_template"] != PAIR)
     return settings
 
@@ -125,7 +129,6 @@ def write_seq_cls(out_dir, settings, trust_remote_code=False):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     from ..collate import pair_layout
-    from ..st_format import IDENTITY, SETTINGS_FILE
 
     yes, no = settings["lm_token_ids"]
     lm = AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=trust_remote_code)
@@ -162,3 +165,25 @@ def write_seq_cls(out_dir, settings, trust_remote_code=False):
         json.dump({**settings, "head": "classifier", "pooling": "native", "lm_token_ids": None,
                    "seq_cls_of": {"true_token_id": yes, "false_token_id": no}}, f, indent=2)
     return {"written": True, "dir": "seq_cls"}
+
+
+def write_cross_encoder_files(out_dir, token_ids, max_length, chat=False):
+    """The sentence-transformers files (6.x layout) that make `CrossEncoder(out_dir)` score a --head lm
+    export as the kit does: its Transformer module on the causal LM ("text-generation", logits of the
+    last position, left padding), then LogitScore: logit(true) - logit(false), no activation.
+    `chat`: pairs go through the chat template's query / document roles (the "message" modality,
+    flat: each message's content a string)."""
+    text = {"method": "forward", "method_output_name": "logits"}
+    modality = {"text": text, **({"message": {**text, "format": "flat"}} if chat else {})}
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_LogitScore",
+                "type": "sentence_transformers.cross_encoder.modules.logit_score.LogitScore"}]
+    files = {"modules.json": modules,
+             os.path.join("1_LogitScore", "config.json"): {"true_token_id": token_ids[0], "false_token_id": token_ids[1],
+                                                           "module_input_name": "causal_logits"},
+             "sentence_bert_config.json": {"transformer_task": "text-generation", "max_seq_length": max_length,
+                                           "modality_config": modality,
+                                           "module_output_name": "causal_logits"},
+             "config_sentence_transformers.json": {"model_type": "CrossEncoder", "activation_fn": IDENTITY,
+                                                   "prompts": {}, "default_prompt_name": None}}
+    write_json_files(out_dir, files)

@@ -3,6 +3,7 @@ sentence-transformers Dense, L2-normalized), scored by the inner product (the co
 The default head, and what a plain sentence-transformers dir (all-MiniLM-L6-v2) is. The interface:
 retrieval_kit/heads/__init__.py."""
 
+import json
 import os
 
 import torch
@@ -11,6 +12,8 @@ import torch.nn.functional as F
 from ..chunking import Chunked, run_chunked
 from ..losses import contrastive_scores
 from ..models import POOLING_MODES, STDense, load_encoder, pool
+from ..st_format import (LEGACY_KEYS, ST_POOLING, bad_field, check_length, module_kinds, read_json, read_modules,
+                         read_st_settings)
 
 NAME = "single-vector"
 SETTINGS = {"matryoshka_dims": []}  # settings of its own beyond st_format.SETTING_KEYS (the trained prefixes)
@@ -24,9 +27,9 @@ PREFIX = "st_dense."  # the Dense module's keys in the model's state dict
 
 def load(path, dtype=torch.float32, *, spec=None, meta=False, dim=None, seed=0, **load_kw):
     """The encoder (models.load_encoder) with the dir's sentence-transformers Dense after the pooling,
-    if its spec has one (st_format.read_st_dense), as `model.st_dense` with its weights."""
+    if its spec has one (read_dense), as `model.st_dense` with its weights."""
     model = load_encoder(path, dtype, meta=meta, **load_kw)
-    dense = spec.dense if spec is not None else None
+    dense = spec.own.get("dense") if spec is not None else None
     if dense is None:
         return model
     args = [dense[k] for k in ("in_features", "out_features", "bias", "activation_function")]
@@ -178,13 +181,11 @@ def split_export(weights):
 
 
 def write_export(stage, model, settings, head_weights, out_dir):
-    """SentenceTransformer's files (st_format.write_st_files), with the Dense module's weights in 2_Dense."""
+    """SentenceTransformer's files (write_files), with the Dense module's weights in 2_Dense."""
     from safetensors.torch import save_file
 
-    from ..st_format import write_st_files
-
     dense = getattr(model, "st_dense", None)
-    warnings = write_st_files(stage, settings, model.config.hidden_size, dense.config() if dense is not None else None)
+    warnings = write_files(stage, settings, model.config.hidden_size, dense.config() if dense is not None else None)
     if dense is not None:
         save_file(head_weights, os.path.join(stage, "2_Dense", "model.safetensors"))
     for w in warnings:
@@ -194,3 +195,96 @@ def write_export(stage, model, settings, head_weights, out_dir):
 
 def memory_note(model):
     return None
+
+
+# ----- its dir: a sentence-transformers SentenceTransformer ----------------------------------------
+
+def read_dir(model_dir):
+    """Its part of a dir's spec (heads.read_spec asks it last: any sentence-transformers dir the other kinds
+    did not claim): None without modules.json, else (the dir's settings in the kit's keys, its own part: a
+    Dense after the pooling, checked against the model)."""
+    if read_modules(model_dir) is None:
+        return None
+    st = read_st_settings(model_dir, carried=("Dense",))
+    dense = read_dense(model_dir)
+    return st, {"dense": dense, "linear": [(dense, "Dense")] if dense is not None else [],
+                "what": "a sentence-transformers dir" + (" with a Dense projection after its pooling" if dense else "")}
+
+
+DENSE_ACTIVATIONS = ("torch.nn.modules.activation.Tanh", "torch.nn.modules.linear.Identity",
+                     "torch.nn.modules.activation.ReLU", "torch.nn.modules.activation.GELU",
+                     "torch.nn.modules.activation.Sigmoid")
+
+
+
+def read_dense(model_dir):
+    """The Dense projection a sentence-transformers dir applies after pooling (before Normalize):
+    {"path", "in_features", "out_features", "bias", "activation_function"}, or None. One Dense, after
+    the Pooling, with one of DENSE_ACTIVATIONS and no residual; anything else is one sentence."""
+    modules_path = os.path.join(model_dir, "modules.json")
+    modules = read_modules(model_dir)
+    if modules is None:
+        return None
+    kinds = list(module_kinds(modules))
+    if "Dense" not in kinds:  # (a token projection is the multi-vector head's: asked first)
+        return None
+    i = kinds.index("Dense")
+    config_path = os.path.join(model_dir, modules[i].get("path", ""), "config.json")
+    config = read_json(config_path)
+    problem = None
+    if kinds.count("Dense") > 1:
+        problem = f"{kinds.count('Dense')} Dense modules (the kit carries one)"
+    elif "Pooling" not in kinds[:i] or "Normalize" in kinds[:i]:
+        problem = "a Dense that is not between the Pooling and the Normalize"
+    elif config.get("activation_function", DENSE_ACTIVATIONS[0]) not in DENSE_ACTIVATIONS:
+        problem = f"a Dense with activation {config.get('activation_function')!r}"
+    elif config.get("use_residual"):
+        problem = "a Dense with a residual connection"
+    if problem:
+        raise SystemExit(f"{modules_path}: {problem}; the kit does not carry it: fine-tune it with sentence-transformers")
+    if not isinstance(config.get("bias", True), bool):
+        bad_field(config_path, "bias", config.get("bias"), "true or false")
+    return {"path": os.path.join(model_dir, modules[i].get("path", "")), "config": config_path,
+            "in_features": check_length(config_path, "in_features", config.get("in_features"), optional=False),
+            "out_features": check_length(config_path, "out_features", config.get("out_features"), optional=False),
+            "bias": config.get("bias", True), "key": "linear.weight",
+            "activation_function": config.get("activation_function", DENSE_ACTIVATIONS[0])}
+
+
+def write_files(out_dir, settings, hidden_size, dense=None):
+    """Write the sentence-transformers files for a bi-encoder export with these kit settings (pooling,
+    normalize, prefixes, max lengths, include_prompt). Returns warnings: sentence-transformers has one max length,
+    the passage one; a different query max length cannot be declared."""
+    if settings["pooling"] not in ST_POOLING.values():
+        raise ValueError(f"unknown pooling {settings['pooling']!r}")
+    st_mode = {v: k for k, v in ST_POOLING.items()}[settings["pooling"]]
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if dense is not None:  # its weights: written by the export (model.safetensors in 2_Dense)
+        modules.append({"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"})
+        os.makedirs(os.path.join(out_dir, "2_Dense"), exist_ok=True)
+        with open(os.path.join(out_dir, "2_Dense", "config.json"), "w") as f:
+            json.dump(dense, f, indent=2)
+    if settings["normalize"]:
+        n = len(modules)
+        modules.append({"idx": n, "name": str(n), "path": f"{n}_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+        os.makedirs(os.path.join(out_dir, f"{n}_Normalize"), exist_ok=True)
+    pooling = {"word_embedding_dimension": hidden_size, **{k: m == st_mode for k, m in LEGACY_KEYS.items()},
+               "include_prompt": settings.get("include_prompt", True)}  # False: the prefix's tokens not pooled
+    os.makedirs(os.path.join(out_dir, "1_Pooling"), exist_ok=True)
+    files = {"modules.json": modules, os.path.join("1_Pooling", "config.json"): pooling,
+             "sentence_bert_config.json": {"max_seq_length": settings["passage_max_length"], "do_lower_case": False},
+             "config_sentence_transformers.json": {
+                 "prompts": {"query": settings["query_prefix"], "document": settings["passage_prefix"]},
+                 "default_prompt_name": None, "similarity_fn_name": "cosine" if settings["normalize"] else "dot"}}
+    for name, obj in files.items():
+        with open(os.path.join(out_dir, name), "w") as f:
+            json.dump(obj, f, indent=2)
+    warnings = []
+    if settings["query_max_length"] != settings["passage_max_length"]:
+        warnings.append(f"sentence-transformers applies one max length ({settings['passage_max_length']} tokens, the "
+                        f"passages') to queries too; the kit trained queries at {settings['query_max_length']}: "
+                        f"queries longer than that embed differently there (pass --query-max-length "
+                        f"{settings['passage_max_length']} to match)")
+    return warnings

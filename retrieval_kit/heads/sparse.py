@@ -10,6 +10,7 @@ import torch
 from ..chunking import Chunked, run_chunked
 from ..losses import contrastive_scores
 from ..models import decoder_dir, load_auto, quiet_loading
+from ..st_format import module_kinds, read_json, read_modules, read_st_settings, write_json_files
 
 NAME = "sparse"
 SETTINGS = {}  # settings of its own beyond st_format.SETTING_KEYS
@@ -296,18 +297,17 @@ def split_export(weights):
 
 
 def write_export(stage, model, settings, head_weights, out_dir):
-    """SparseEncoder's files (st_format.write_sparse_files) for an encoder. Not for a decoder:
+    """SparseEncoder's files (write_files) for an encoder. Not for a decoder:
     sentence-transformers' SparseEncoder 6.3 reads a causal LM's logits otherwise (when tried, all zeros
     for a text and 3.4 off for another, on SmolLM2); the kit loads such a dir with its LM head."""
     from ..models import is_decoder_only
-    from ..st_format import write_sparse_files
 
     if is_decoder_only(model.config):
         why = ("sentence-transformers' SparseEncoder reads a causal LM's logits otherwise (it scored a decoder's "
                "SPLADE vectors wrong when tried); the kit's tools load this dir")
         print(f"warning: {out_dir}: no SparseEncoder files for a decoder: {why}", flush=True)
         return {"files": False, "warnings": [why]}
-    write_sparse_files(stage, settings)
+    write_files(stage, settings)
     return {"files": True, "warnings": []}
 
 
@@ -316,3 +316,62 @@ def memory_note(model):
     return (f"sparse head: vocabulary logits ({vocab:,} a token) made in length chunks of at most {SPARSE_BLOCK:,} "
             f"numbers ({SPARSE_BLOCK * 4 / 2 ** 20:.0f} MiB in fp32), each recomputed in the backward; the "
             f"vectors: (ranks x (queries + passages)) x {vocab:,} fp32 numbers a step, gathered")
+
+
+# ----- its dir: sentence-transformers' SparseEncoder ---------------------------------------------
+
+def read_dir(model_dir):
+    """Its part of a dir's spec (heads.read_spec asks each head in turn): None for a dir of another kind,
+    else (the dir's sentence-transformers settings in the kit's keys, its own part)."""
+    if not read_sparse(model_dir):
+        return None
+    return {**read_st_settings(model_dir, carried=("SpladePooling",)), "head": NAME}, {
+        "what": "a SparseEncoder (SPLADE) dir"}
+
+
+def read_sparse(model_dir):
+    """Is `model_dir` a sentence-transformers SparseEncoder of SPLADE's layout (a fill-mask or causal-LM
+    Transformer, then SpladePooling with max pooling of relu: log(1 + relu) of the vocabulary logits)?
+    Another sparse layout (inference-free Router / SparseStaticEmbedding, sum pooling, CSR) is one
+    sentence."""
+    modules_path = os.path.join(model_dir, "modules.json")
+    modules = read_modules(model_dir)
+    if modules is None:
+        return False
+    kinds = module_kinds(modules)
+    st_config = os.path.join(model_dir, "config_sentence_transformers.json")
+    sparse_model = os.path.isfile(st_config) and read_json(st_config).get("model_type") == "SparseEncoder"
+    if "SpladePooling" not in kinds and not sparse_model:
+        return False
+    pooling = read_json(os.path.join(model_dir, modules[-1].get("path", ""), "config.json")) if kinds[-1:] == (
+        "SpladePooling",) else {}
+    if kinds != ("Transformer", "SpladePooling"):
+        problem = f"modules {', '.join(kinds)} (the kit carries Transformer, SpladePooling)"
+    elif pooling.get("pooling_strategy", "max") != "max" or pooling.get("activation_function", "relu") != "relu":
+        problem = (f"SpladePooling {pooling.get('pooling_strategy')} / {pooling.get('activation_function')} (the kit "
+                   "trains max / relu)")
+    else:
+        return True
+    raise SystemExit(f"{modules_path}: {problem}; the kit does not reproduce it: fine-tune it with sentence-transformers")
+
+
+def write_files(out_dir, settings):
+    """Write the sentence-transformers SparseEncoder files of a --head sparse export (SPLADE): the
+    Transformer reading the vocabulary logits of the saved *ForMaskedLM model, with
+    per-task lengths, then 1_SpladePooling (max of log(1 + relu)); dot-product similarity, the
+    prefixes as prompts."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_SpladePooling",
+                "type": "sentence_transformers.sparse_encoder.modules.splade_pooling.SpladePooling"}]
+    files = {"modules.json": modules,
+             "sentence_bert_config.json": {
+                 "transformer_task": "fill-mask",
+                 "modality_config": {"text": {"method": "forward", "method_output_name": "logits"}},
+                 "module_output_name": "token_embeddings", "max_seq_length": settings["passage_max_length"],
+                 "query_length": settings["query_max_length"], "document_length": settings["passage_max_length"]},
+             os.path.join("1_SpladePooling", "config.json"): {"pooling_strategy": "max", "activation_function": "relu",
+                                                             "embedding_dimension": None},
+             "config_sentence_transformers.json": {
+                 "model_type": "SparseEncoder", "similarity_fn_name": "dot", "default_prompt_name": None,
+                 "prompts": {"query": settings["query_prefix"], "document": settings["passage_prefix"]}}}
+    write_json_files(out_dir, files)
