@@ -76,7 +76,7 @@ def main():
     head = cli.head_flags(args, settings["head"], spec=spec)  # --head or the dir's (heads/); another head's flag: one sentence
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code, spec.prepare_tokenizer)
     encoder, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
-        functools.partial(head.load, model_dir, storage_dtype, spec=spec, dim=args.multi_vector_dim, seed=args.seed,
+        functools.partial(head.load, model_dir, storage_dtype, spec=spec, seed=args.seed,
                           **cli.load_settings(args), **cli.head_load_settings(args, head)), args.parallel == "fsdp2", ctx)
     evaluate.prepare(tokenizer, encoder, settings, head, args.append_eos, args.bidirectional,  # a decoder: pad left,
                      args.pad_to_multiple_of)  # EOS, lengths checked; multi-vector: whole-token markers, its size

@@ -408,7 +408,7 @@ def load_settings(args):
 
 def head_load_settings(args, head):
     """The keyword arguments of `head`'s load() that come from its own flags (its LOAD_FLAGS)."""
-    return {dest: getattr(args, dest) for dest in getattr(head, "LOAD_FLAGS", ())}
+    return heads.load_args(head, vars(args))
 
 
 def wrap_settings(args):

@@ -13,12 +13,12 @@ from tqdm import tqdm
 
 from .collate import tokenize
 from .dist import stop_point
-from .heads import single_vector
+from . import heads
 
 
 @torch.no_grad()
 def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, device="cpu", progress=False,
-                 desc="encode", side=None, head=single_vector, name="p", dtype=None):
+                 desc="encode", side=None, head=heads.default(), name="p", dtype=None):
     """Embed `texts` -> their representations as `head` stores a corpus (head.store / head.stack: (N, H)
     fp32 for one vector, (N, max_length, dim + 1) bf16 token vectors, (N, V) sparse COO), on the CPU,
     rows in the order of `texts`.
@@ -86,7 +86,7 @@ def rerank_groups(model, tokenizer, queries, groups, settings, batch_size=16, de
 
 
 def encode_shard(model, tokenizer, texts, max_length, prefix="", batch_size=64, device="cpu", progress=False,
-                 desc="encode", side=None, head=single_vector, name="p"):
+                 desc="encode", side=None, head=heads.default(), name="p"):
     """This rank's contiguous shard of `texts` (data.shard) embedded: (its rows as `head` stores them,
     index of its first text in `texts`). Every rank runs the same number of batches (a short shard
     repeats a text, dropped after), as FSDP2's collective forwards need."""
@@ -145,7 +145,7 @@ def block_done(path):
 
 
 def encode_blocks(model, tokenizer, texts, max_length, prefix, batch_size, device, parts, name, block_size,
-                  progress=False, side=None, head=single_vector, side_name="p"):
+                  progress=False, side=None, head=heads.default(), side_name="p"):
     """Embed `texts` in blocks of `block_size`, block b on rank b % world, each saved to
     `parts`/NAME_b.pt as soon as it is done (a temporary file renamed, its checksum written beside
     it), so a run killed and started again skips the blocks already written, on any number of ranks.
@@ -174,7 +174,7 @@ def encode_blocks(model, tokenizer, texts, max_length, prefix, batch_size, devic
 
 
 def encode_sharded(model, tokenizer, texts, max_length, prefix="", batch_size=64, device="cpu", progress=False,
-                   desc="encode", side=None, head=single_vector, name="q"):
+                   desc="encode", side=None, head=heads.default(), name="q"):
     """encode_texts split over the ranks of the process group, gathered back in order on every rank
     (dense: head.as_dense; a few texts at a time, queries)."""
     import torch.distributed as tdist

@@ -23,8 +23,8 @@ sentence.
 With a dev split (`--dev-beir`, or a training run's --dev-queries with --merge-alphas) each alpha is scored
 and the rule of choice.py keeps the smallest one that the dev queries show within 0.5 points of the best (a
 paired test and a bootstrap bound on its deficit), else the best: the model closest to the base that gives up
-almost nothing in domain, where the dev set can show it. `--tolerance` keeps the smallest within it instead. Reported sets (`--report-beir`, a run's
---eval-beir) are scored for every candidate and never used to choose.
+almost nothing in domain, where the dev set can show it. `--tolerance` keeps the smallest within it instead.
+Reported sets (`--report-beir`, a run's --eval-beir) are scored for every candidate and never used to choose.
 """
 
 import argparse
@@ -116,16 +116,17 @@ def check_finite(state, name):
             raise SystemExit(f"{name}: {k} holds NaN or infinite values: merge writes no model from it")
 
 
-def load(path, dim=None, seed=0, like=None):
+def load(path, own=None, seed=0, like=None):
     """(the raw model with its head, tokenizer, settings, head module) of a dir: an export of the kit, a
     run's checkpoint (checkpoint_of), or any dir the kit reads as the head `like` (a base: a plain or
-    sentence-transformers dir)."""
+    sentence-transformers dir). `own`: the head's load settings (heads.load_args) where the dir does not hold
+    them (a fresh projection's width for a base)."""
 
     ckpt = None if like is not None else checkpoint_of(path)
     if ckpt is not None:
         from safetensors.torch import load_file
 
-        model, tok, settings, head = load(ckpt[0], dim, seed)
+        model, tok, settings, head = load(ckpt[0], own, seed)
         try:
             state = load_file(ckpt[1])
         except Exception as e:  # (a truncated or foreign file: safetensors' own error types)
@@ -155,18 +156,18 @@ def load(path, dim=None, seed=0, like=None):
         return heads.get(name).load(path), load_tokenizer(path), {}, heads.get(name)
     settings = heads.biencoder_settings(spec, {"head": name})
     head = heads.get(name)
-    model = head.load(path, spec=spec, dim=dim or settings.get("multi_vector_dim"), seed=seed)
+    model = head.load(path, spec=spec, seed=seed, **heads.load_args(head, {**settings, **(own or {})}))
     return model, load_tokenizer(path, prepare=spec.prepare_tokenizer), {**spec.kit, **settings}, head
 
 
-def base_state(path, like, dim=None):
+def base_state(path, like, own=None):
     """The base's parameters that its dir holds, under the tuned model's names: what transformers reports
     it did not find (model.fresh_keys) is left out, and so is what differs between two loads under
     different seeds (a head the kit adds fresh: a projection)."""
     torch.manual_seed(0)
-    first = load(path, dim, seed=0, like=like)[0]
+    first = load(path, own, seed=0, like=like)[0]
     torch.manual_seed(1)
-    two = load(path, dim, seed=1, like=like)[0].state_dict()
+    two = load(path, own, seed=1, like=like)[0].state_dict()
     fresh = set(getattr(first, "fresh_keys", []))
     return {k: v for k, v in first.state_dict().items() if k not in fresh and torch.equal(v, two[k])}
 
@@ -360,7 +361,7 @@ def dev_merge(final, base_dir, alphas, tolerance, score, device="cpu", guard_mar
     model, tok, settings, head = load(final)
     tuned = {k: v.clone() for k, v in model.state_dict().items()}
     check_finite(tuned, final)
-    base = base_state(base_dir, head.NAME, settings.get("multi_vector_dim"))
+    base = base_state(base_dir, head.NAME, heads.load_args(head, settings))
     check_base(tuned, base, final, base_dir)
     adapter = adapter_of(final, settings, base_dir)  # --export-adapter: rebuilt at the chosen alpha
     model.to(device)
@@ -462,7 +463,7 @@ def main(argv=None):
         model, tok, settings, head = load(a.tuned)
         tuned = {k: v.clone() for k, v in model.state_dict().items()}
         check_finite(tuned, a.tuned)
-        base = base_state(a.base, head.NAME, settings.get("multi_vector_dim"))
+        base = base_state(a.base, head.NAME, heads.load_args(head, settings))
         check_base(tuned, base, a.tuned, a.base)
         adapter = adapter_of(exports[0][1], settings, a.base)  # --export-adapter: rebuilt at the alpha
         kept = sorted(k for k in tuned if k not in base)

@@ -11,7 +11,7 @@ and up to `k` of the rest are kept, best first.
 import numpy as np
 import torch
 
-from .heads import single_vector
+from . import heads
 from .search import sharded_topk
 from .textstore import DigestIndex, digest
 
@@ -67,7 +67,7 @@ def mine_hard_negatives(q_emb, p_emb, positives, k, skip_top=0, max_score_ratio=
 
 
 def mine_sharded(q_own, q_ids, p_shard, p_ids, n_total, positives, k, skip_top=0, max_score_ratio=0.95,
-                 p_texts=None, depth=None, block=4096, device="cpu", on_round=None, head=single_vector):
+                 p_texts=None, depth=None, block=4096, device="cpu", on_round=None, head=heads.default()):
     """mine_hard_negatives with queries and corpus both split over the ranks, as evaluation searches:
     each rank holds only its share of the query embeddings (`q_own`, the queries numbered `q_ids`)
     and of the passage embeddings (`p_shard`, the passages numbered `p_ids` of the n_total; both

@@ -98,7 +98,7 @@ def main(argv=None):
     cli.head_flags(a, a.head, "the plan's", spec)  # --multi-vector-dim with another head, or the dir's other: one sentence
     head = heads.get(a.head)
     storage, _, _ = resolve(a.torch_dtype, a.force_fp32_params, "none", a.parallel, a.lora_rank > 0)
-    model = head.load(a.model, storage, meta=True, spec=spec, dim=a.multi_vector_dim)
+    model = head.load(a.model, storage, meta=True, spec=spec, **cli.head_load_settings(a, head))
     assumed = defaulted_shape(a.model, model.config)
     if assumed:
         print(f"note: {a.model}/config.json does not set {', '.join(assumed)}: planned with transformers' defaults "

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 SETTINGS_FILE = "retrieval_kit.json"  # the kit's own settings, beside an exported model
 KIT_DEFAULTS = {"pooling": "avg", "normalize": True, "query_prefix": "", "passage_prefix": "",
-                "query_max_length": 32, "passage_max_length": 128, "include_prompt": True, "head": None}  # (head: the registry's default, heads.EMBEDDING[0])
+                "query_max_length": 32, "passage_max_length": 128, "include_prompt": True,
+                "head": None}  # (head: the registry's default, heads.EMBEDDING[0])
 SETTING_KEYS = tuple(KIT_DEFAULTS)
 # sentence-transformers pooling modes -> the kit's
 ST_POOLING = {"mean": "avg", "cls": "cls", "lasttoken": "last"}

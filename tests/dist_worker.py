@@ -261,7 +261,7 @@ def main():
     EMAS.clear()  # (a global holding FSDP2 shards would keep their mesh's group alive past main)
     # --head multi-vector: token vectors (and their masks) gathered with their gradients, MaxSim scores
     HEAD[0] = multi_vector
-    mv0 = multi_vector.load(model_dir, dim=8, seed=0).eval()
+    mv0 = multi_vector.load(model_dir, multi_vector_dim=8, seed=0).eval()
     ref_mv = reference_bi(mv0, tok, steps, 1.0)
     compare("multi_vector_ddp_vs_single", run_bi(ctx, mv0, tok, steps, "ddp"), ref_mv)
     compare("multi_vector_fsdp2_vs_single", run_bi(ctx, mv0, tok, steps, "fsdp2"), ref_mv)

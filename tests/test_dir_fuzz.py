@@ -46,7 +46,8 @@ def build_dirs(root, tiny):
             "query_max_length": 16, "passage_max_length": 32, "include_prompt": True}
     mv = {**base, "head": "multi-vector", "query_expansion": {"attend": False, "token": None},
           "skiplist_words": [".", ","], "multi_vector_dim": 8}
-    out["kit_multi_vector"] = export_model(os.path.join(root, "kit_mv"), multi_vector.load(tiny, dim=8, seed=0), tok,
+    mv_model = multi_vector.load(tiny, multi_vector_dim=8, seed=0)
+    out["kit_multi_vector"] = export_model(os.path.join(root, "kit_mv"), mv_model, tok,
                                            mv)
     out["multi_vector_encoder"] = os.path.join(root, "mve")  # the same files, no retrieval_kit.json
     shutil.copytree(out["kit_multi_vector"], out["multi_vector_encoder"])

@@ -91,7 +91,8 @@ def exports(tmp_path_factory, tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     base = {"kind": "biencoder", "pooling": "avg", "normalize": True, "query_prefix": "", "passage_prefix": "",
             "query_max_length": 16, "passage_max_length": 32, "include_prompt": True}
-    out = {"multi-vector": export_model(str(root / "mv"), multi_vector.load(tiny_model_dir, dim=8), tok,
+    mv = multi_vector.load(tiny_model_dir, multi_vector_dim=8)
+    out = {"multi-vector": export_model(str(root / "mv"), mv, tok,
                                         {**base, "head": "multi-vector", "query_expansion": False, "skiplist_words": []}),
            "single-vector": export_model(str(root / "sv"), single_vector.load(tiny_model_dir), tok,
                                          {**base, "head": "single-vector"})}
@@ -178,7 +179,7 @@ def test_an_absurd_multi_vector_dim_is_one_sentence(tiny_model_dir):
     from retrieval_kit.heads import multi_vector
 
     with pytest.raises(SystemExit, match="--multi-vector-dim 100000: at most 4096"):
-        multi_vector.load(tiny_model_dir, dim=100000)
+        multi_vector.load(tiny_model_dir, multi_vector_dim=100000)
 
 
 def test_a_multi_vector_dim_against_the_dirs_own_is_one_sentence(exports, tmp_path):

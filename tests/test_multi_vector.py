@@ -119,7 +119,7 @@ def test_a_multi_vector_export_embeds_and_scores_alike_in_multi_vector_encoder(t
     # the weights moved: a fresh projection from the same seed gives other vectors
     from retrieval_kit.heads import read_spec
 
-    fresh = multi_vector.load(tiny_model_dir, dim=16, seed=42)
+    fresh = multi_vector.load(tiny_model_dir, multi_vector_dim=16, seed=42)
     trained = multi_vector.load(final, spec=read_spec(final)).multi_vector.linear.weight
     assert (fresh.multi_vector.linear.weight - trained).abs().max() > 1e-4
 

@@ -81,11 +81,21 @@ READS = (multi_vector, sparse, single_vector)  # the order a dir is asked whose 
 RECORD_FIELDS = {k: v for m in MODULES.values() for k, v in getattr(m, "RECORD_FIELDS", {}).items()}
 
 
+def default(family="embedding"):
+    """The module of the family's default kind (the first of KINDS[family])."""
+    return KINDS[family][0]
+
+
 def get(name):
     """The module of the kind `name` (one of MODULES); one sentence for an unknown name."""
     if name not in MODULES:
         raise SystemExit(f"unknown head {name!r}: the kit trains {', '.join(MODULES)}")
     return MODULES[name]
+
+
+def load_args(head, values):
+    """The keyword arguments of `head`'s load() among `values` (flags, or an export's settings): its LOAD_FLAGS."""
+    return {k: values.get(k) for k in getattr(head, "LOAD_FLAGS", ())}
 
 
 def read_spec(model_dir):

@@ -16,7 +16,7 @@ FLAGS = {"pooling": "native", "head_lr_mult": 1.0}
 POOLING = ("native", "last", "avg", "cls")
 
 
-def load(path, dtype=torch.float32, *, meta=False, spec=None, dim=None, seed=0, **load_kw):
+def load(path, dtype=torch.float32, *, meta=False, spec=None, seed=0, **load_kw):
     """AutoModelForSequenceClassification with one logit (`meta`: built on the meta device)."""
     from transformers import AutoModelForSequenceClassification
 

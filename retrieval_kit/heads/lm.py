@@ -21,7 +21,7 @@ RECORD_FIELDS = {  # what it keeps in an export's retrieval_kit.json: (check, wh
 FLAGS = {"lm_tokens": ["yes", "no"], "export_seq_cls": False}
 
 
-def load(path, dtype=torch.float32, *, meta=False, spec=None, dim=None, seed=0, **load_kw):
+def load(path, dtype=torch.float32, *, meta=False, spec=None, seed=0, **load_kw):
     """AutoModelForCausalLM (`meta`: built on the meta device); an encoder is one sentence (its LM head
     would start fresh and its attention be bidirectional)."""
     from transformers import AutoModelForCausalLM

@@ -17,6 +17,7 @@ from ..st_format import (bad_field, check_length, check_words, is_length, is_wor
 NAME = "multi-vector"
 TEMPERATURE = 1.0  # MaxSim sums over the query's tokens: PyLate's and sentence-transformers' scale 1
 FLAGS = {"multi_vector_dim": 128, "query_expansion": None, "skiplist": None}
+LOAD_FLAGS = ("multi_vector_dim",)  # the flags load() takes (heads.load_args); an export keeps it in its settings
 SETTINGS = {"query_expansion": False, "skiplist_words": []}  # its tokenization (maxsim_sides): MultiVectorEncoder's
 # defaults, neither; read from the flags, the export, the dir's files in that order (heads.biencoder_settings)
 MAX_DIM = 4096  # --multi-vector-dim beyond this is one sentence (ColBERT uses 128)
@@ -26,14 +27,15 @@ MAXSIM_BLOCK = 1 << 22  # elements of one block of token-pair similarities (16 M
 RECORD_FIELDS = {  # what it keeps in an export's retrieval_kit.json: (check, what it must be)
     "multi_vector_dim": (is_length, "a positive whole number"),
     "skiplist_words": (is_words, "a list of non-empty strings"),
-    "query_expansion": (lambda v: v is False or v is None or (isinstance(v, dict) and isinstance(v.get("token") or "", str)),
+    "query_expansion": (lambda v: v is False or v is None or (isinstance(v, dict) and isinstance(v.get("token") or "",
+                                                                                                  str)),
                         "false, or an object with attend and token"),
 }
 
 
 # ----- the model ---------------------------------------------------------------------------------
 
-def load(path, dtype=torch.float32, *, spec=None, meta=False, dim=None, seed=0, **load_kw):
+def load(path, dtype=torch.float32, *, spec=None, meta=False, multi_vector_dim=None, seed=0, **load_kw):
     """The encoder with its token projection as `model.multi_vector` (an STDense with no activation:
     sentence-transformers' token-level Dense of a MultiVectorEncoder), trained with the encoder. A dir
     that brings one (its spec's projection: MultiVectorEncoder, PyLate, Stanford ColBERT) gives its size
@@ -42,7 +44,7 @@ def load(path, dtype=torch.float32, *, spec=None, meta=False, dim=None, seed=0, 
     model = load_encoder(path, dtype, meta=meta, **load_kw)
     projection = spec.own.get("projection") if spec is not None else None
     hidden = model.config.hidden_size
-    dim = projection["out_features"] if projection is not None else dim or FLAGS["multi_vector_dim"]
+    dim = projection["out_features"] if projection is not None else multi_vector_dim or FLAGS["multi_vector_dim"]
     if dim > MAX_DIM:
         raise SystemExit(f"--multi-vector-dim {dim}: at most {MAX_DIM} (ColBERT projects to 128)")
     with torch.device("meta" if meta else "cpu"):

@@ -25,7 +25,7 @@ PREFIX = "st_dense."  # the Dense module's keys in the model's state dict
 
 # ----- the model ---------------------------------------------------------------------------------
 
-def load(path, dtype=torch.float32, *, spec=None, meta=False, dim=None, seed=0, **load_kw):
+def load(path, dtype=torch.float32, *, spec=None, meta=False, seed=0, **load_kw):
     """The encoder (models.load_encoder) with the dir's sentence-transformers Dense after the pooling,
     if its spec has one (read_dense), as `model.st_dense` with its weights."""
     model = load_encoder(path, dtype, meta=meta, **load_kw)

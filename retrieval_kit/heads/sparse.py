@@ -23,7 +23,7 @@ SPARSE_BLOCK = 1 << 24  # elements of one chunk of vocabulary logits (64 MiB in 
 
 # ----- the model ---------------------------------------------------------------------------------
 
-def load(path, dtype=torch.float32, *, spec=None, meta=False, dim=None, seed=0, lexical_head_bias=None,
+def load(path, dtype=torch.float32, *, spec=None, meta=False, seed=0, lexical_head_bias=None,
          **load_kw):
     """The model with its vocabulary head - AutoModelForMaskedLM for an encoder, AutoModelForCausalLM for
     a decoder. An encoder dir without a trained MLM head (the bundled all-MiniLM-L6-v2) gets a fresh
