@@ -13,11 +13,11 @@ import functools
 import os
 
 from retrieval_kit import (ckpt, cli, data, dist, dropout, evaluate, heads, log, loop, lora, merge, optim, plan, precision,
-                           records)
+                           records, rundir)
 from retrieval_kit.collate import biencoder_inputs
 from retrieval_kit.ema import EMA
 from retrieval_kit.export import export_model, model_card
-from retrieval_kit.formats import exit_on_data_error
+from retrieval_kit.rundir import exit_on_data_error
 from retrieval_kit.losses import biencoder_loss, contrastive_loss, matryoshka, matryoshka_plan
 from retrieval_kit.metrics import WindowedAverage
 from retrieval_kit.models import default_model_dir, load_once, load_tokenizer
@@ -82,7 +82,7 @@ def main():
                      args.pad_to_multiple_of)  # EOS, lengths checked; multi-vector: whole-token markers, its size
     dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights, head.embedding_size(encoder))
     lora_info = lora.apply_each((encoder, source), train=head.lora_trained, **cli.lora_settings(args, model_dir, storage_dtype))
-    resume_dir = ckpt.start_run(**cli.resume_request(args), run_args=vars(args), neutral=cli.run_neutral())
+    resume_dir = rundir.start_run(**cli.resume_request(args), run_args=vars(args), neutral=cli.run_neutral())
     ckpt.restore_model(source, resume_dir, storage_dtype)  # a resume: weights (rank 0's under FSDP2) -> cast
 
     # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------

@@ -18,11 +18,11 @@ import os
 import torch
 
 from retrieval_kit import (ckpt, cli, data, dist, dropout, evaluate, heads, log, loop, lora, merge, optim, plan,
-                           precision, records)
+                           precision, records, rundir)
 from retrieval_kit.ema import EMA
 from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, TEMPLATE_PRESETS, pair_layout, rerank_inputs
 from retrieval_kit.export import export_reranker, model_card, warn_kit_only
-from retrieval_kit.formats import exit_on_data_error
+from retrieval_kit.rundir import exit_on_data_error
 from retrieval_kit.losses import RERANK_LOSSES, reranker_loss
 from retrieval_kit.metrics import WindowedAverage
 from retrieval_kit.models import (check_max_lengths, default_model_dir, is_decoder_only, load_once, load_tokenizer,
@@ -147,7 +147,7 @@ def main():
     warn_kit_only(head, args.pooling, args.bidirectional)  # what the stock loaders would score otherwise
     lora_info = lora.apply_each((net, source), train=head.lora_trained, **cli.lora_settings(args, model_dir, storage_dtype))
     torch.manual_seed(args.seed + ctx.rank)  # from here on (dropout) each rank draws its own numbers
-    resume_dir = ckpt.start_run(**cli.resume_request(args), run_args=vars(args), neutral=cli.run_neutral())
+    resume_dir = rundir.start_run(**cli.resume_request(args), run_args=vars(args), neutral=cli.run_neutral())
     ckpt.restore_model(source, resume_dir, storage_dtype)  # a resume: weights (rank 0's under FSDP2) -> cast
 
     # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------

@@ -12,7 +12,7 @@ This is the only module of the kit that reads an argparse Namespace (besides the
     cli.data_spec(args), cli.wrap_settings(args), cli.resume_request(args)  # plain values for the library
 
 A flag a forked script adds to its parser is run-defining: a resume that changes it is refused,
-unless the script adds its name to the `neutral` set it passes to ckpt.start_run.
+unless the script adds its name to the `neutral` set it passes to rundir.start_run.
 """
 
 import argparse
@@ -524,14 +524,14 @@ def guard_names(args):
 
 
 def resume_request(args):
-    """The checkpoint flags ckpt.start_run takes."""
+    """The run-folder flags rundir.start_run takes (and what no resume may change of a head: heads.RESUME_FIXED)."""
     return dict(run_dir=args.output_dir, resume=args.resume, overwrite=args.overwrite_output_dir,
-                allow_changed=args.allow_changed_args, inputs=run_inputs(args))
+                allow_changed=args.allow_changed_args, inputs=run_inputs(args), fixed=heads.RESUME_FIXED)
 
 
 # ----- the parsers, and what is decided from several flags ---------------------------------------
 
-# --query-expansion / --skiplist -> the settings' query_expansion / skiplist_words (collate.maxsim_sides)
+# --query-expansion / --skiplist -> the settings' query_expansion / skiplist_words (heads/multi_vector.maxsim_sides)
 QUERY_EXPANSION = {"off": False, "on": {"attend": False, "token": None}, "attend": {"attend": True, "token": None}}
 SKIPLISTS = {"none": [], "punctuation": list(string.punctuation)}
 
@@ -644,7 +644,7 @@ def neutral_flags(parser):
 
 @functools.lru_cache(maxsize=None)
 def run_neutral():
-    """The dests a resume may change, over both scripts' flags (ckpt.changed_args skips them)."""
+    """The dests a resume may change, over both scripts' flags (rundir.changed_args skips them)."""
     return frozenset(neutral_flags(biencoder_parser()) | neutral_flags(reranker_parser()))
 
 
@@ -755,7 +755,7 @@ def parse(parser, argv=None):
                 raise SystemExit(f"--{name.replace('_', '-')}: only with --lora-rank (LoRA is off)")
     from .outputs import check_inputs
 
-    check_inputs("--output-dir", args.output_dir, run_inputs(args))  # before anything loads (ckpt.start_run again)
+    check_inputs("--output-dir", args.output_dir, run_inputs(args))  # before anything loads (rundir.start_run again)
     return args
 
 

@@ -25,7 +25,7 @@ def encode_texts(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
 
     `model` is the head's embedder module (head.embedder: BiEncoder, LateInteraction, Splade; possibly
     FSDP2-sharded), run as `model(**{name: batch})[name]` ("q": queries, "p": passages). `side`: the
-    texts' collate.MaxSimSide (head.sides), or None. `dtype`: the stored dtype where the head keeps one
+    texts' side (head.sides), or None. `dtype`: the stored dtype where the head keeps one
     (multi-vector: bf16 by default).
     """
     was_training = model.training

@@ -468,6 +468,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from retrieval_kit.formats import exit_on_data_error
+    from retrieval_kit.rundir import exit_on_data_error
 
     exit_on_data_error(main)

@@ -34,41 +34,6 @@ def file_digest(path):
     return digest(path)
 
 
-def exit_on_data_error(main):
-    """Run an entry point's main(): a DataError (a user's bad or missing file) ends the run with its
-    message (printed once, by rank 0 under torchrun) and exit status 1, not a traceback. A rank that
-    lost a peer (dead, or hung past --dist-timeout: dist.peer_failure) says so in one line with the
-    newest intact checkpoint and exits at once: the process group's teardown would wait on the lost
-    peer forever. A stop signal that reaches an evaluation after the training loop (the reranker's fusion
-    choice, --merge-alphas' candidates: dist.Interrupted, on every rank at once) exits 0 at once: the last
-    step is checkpointed, and --resume auto exports and chooses again."""
-    import os
-    import sys
-
-    from .dist import Interrupted, is_main, peer_failure, rank, world_size
-
-    try:
-        return main()
-    except DataError as e:
-        raise SystemExit(str(e) if is_main() else 1) from None
-    except Interrupted:
-        from .ckpt import release_lock, resume_note
-
-        release_lock()
-        if is_main():
-            print(f"stopped by a signal during the run's final dev scoring (fusion or merge weight), before the export "
-                  f"was finished; {resume_note()}", flush=True)
-        raise SystemExit(0) from None
-    except Exception as e:  # noqa: BLE001 - only a lost peer is handled here
-        what = peer_failure(e) if world_size() > 1 else None
-        if what is None:
-            raise
-        from .ckpt import resume_note
-
-        print(f"rank {rank()}: {what}; {resume_note()}", file=sys.stderr, flush=True)
-        os._exit(1)
-
-
 def format_problems(problems, limit=50):
     shown = problems[:limit]
     more = f"\n... and {len(problems) - limit} more" if len(problems) > limit else ""

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ckpt, data, dist, optim, precision
+from . import ckpt, data, dist, optim, precision, rundir
 from .chunking import Chunked
 from .gradcache import grad_cache
 from .losses import contrastive_loss, contrastive_scores, duplicate_mask, listwise_loss
@@ -319,7 +319,7 @@ def final_weights(model, run_dir, state, wrapped=None, ema=None, guard_margin=No
 def end_run(logger, message):
     logger.close()
     dist.print0(message)
-    ckpt.release_lock()  # the run folder is free for the next run
+    rundir.release_lock()  # the run folder is free for the next run
     dist.cleanup()
 
 
@@ -344,5 +344,5 @@ def stop_early(logger, stop, step, output_dir):
              f"no step was trained, nothing to save in {output_dir}")
     dist.print0(f"stopped by {stop.name or 'a signal on another rank'} after step {step}: {where}; continue with "
                 "--resume auto")
-    ckpt.release_lock()
+    rundir.release_lock()
     dist.cleanup()

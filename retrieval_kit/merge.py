@@ -540,6 +540,6 @@ def scoring(settings, head, dev_beir, report_beir, biencoder, device, guard_beir
 
 
 if __name__ == "__main__":
-    from .formats import exit_on_data_error
+    from .rundir import exit_on_data_error
 
     exit_on_data_error(main)

@@ -10,7 +10,7 @@ Docs may be ids into a BEIR corpus (--corpus). Records are held as ids into one 
 texts (textstore.py), each text once.
 
 Every bad line is reported as `file:line: problem`, all of them at once, before training starts
-(a DataError; formats.exit_on_data_error turns it into one message and exit status 1).
+(a DataError; rundir.exit_on_data_error turns it into one message and exit status 1).
 """
 
 import os

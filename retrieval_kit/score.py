@@ -206,6 +206,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from .formats import exit_on_data_error
+    from .rundir import exit_on_data_error
 
     exit_on_data_error(main)

@@ -99,7 +99,7 @@ def bi_model(enc):
 HEAD, REG = [single_vector], []  # the head under test; sparse: its regularizer, FLOPS at full weight (no warm-up)
 EMAS = []  # the EMA of each run (None without), the last one last
 SETTINGS = {"pooling": "avg", "normalize": True, "query_max_length": 16, "passage_max_length": 32}
-SIDES = {}  # the multi-vector tokenization (collate.maxsim_sides): set for the ColBERT-style checks
+SIDES = {}  # the multi-vector tokenization (heads/multi_vector.maxsim_sides): set for the ColBERT-style checks
 
 
 def reference_bi(enc0, tok, steps, max_norm, accum=1, world=2, ema=None):

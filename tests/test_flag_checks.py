@@ -175,7 +175,7 @@ def test_head_lm_on_an_encoder_and_a_lora_rank_wider_than_a_layer_are_refused(ti
 
 
 def test_a_run_lock_that_is_not_a_file_is_named(tmp_path):
-    from retrieval_kit.ckpt import acquire_lock
+    from retrieval_kit.rundir import acquire_lock
 
     (tmp_path / "run.lock").mkdir()
     assert acquire_lock(str(tmp_path)) == (f"--output-dir {tmp_path}: {tmp_path}/run.lock is not a file (the "

@@ -65,7 +65,7 @@ def test_until_stopped_turns_a_stop_into_the_loops_and_returns_nothing(watched, 
 
 
 def test_a_stop_after_the_loop_exits_0_in_one_line(watched, capsys):
-    from retrieval_kit.formats import exit_on_data_error
+    from retrieval_kit.rundir import exit_on_data_error
 
     def main():  # the reranker's fusion choice, --merge-alphas' candidates: after the last checkpoint
         dist.stop_point()

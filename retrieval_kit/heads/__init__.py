@@ -17,7 +17,7 @@ Embedding heads (train_biencoder.py; the step runs `head.embedder(...)`, scored 
   SETTINGS          {setting: default} it keeps beyond st_format.SETTING_KEYS (multi-vector: its tokenization)
   TEMPERATURE       the InfoNCE temperature it trains at by default
   load(path, dtype, *, spec, meta, dim, seed, **load_kw)   the backbone with the head, from a plain HF dir
-                    or a dir of this kind (its spec: st_format.read_spec); `meta`: on the meta device (FSDP2)
+                    or a dir of this kind (its spec: read_spec); `meta`: on the meta device (FSDP2)
   lora_trained(model)            what LoRA trains in full beside the adapters (a fresh projection, an
                                  untied vocabulary head), [] for none
   embedding_size(model)          the size of its vectors (a token's, for multi-vector)
@@ -26,7 +26,7 @@ Embedding heads (train_biencoder.py; the step runs `head.embedder(...)`, scored 
                                  up to the passages' max length, as sentence-transformers reads them)
   embedder(model, settings, multiple)   the module the step runs: model(q=batch, p=batch) -> {"q", "p"}
                                  reps; a batch is a tokenized dict or a chunking.Chunked
-  sides(tokenizer, settings)     how each side is tokenized beyond the prefix ({"q", "p"}: collate.MaxSimSide or None)
+  sides(tokenizer, settings)     how each side is tokenized beyond the prefix ({"q", "p"}: a side object or None)
   scores(q, p, n_passages, in_batch)   fp32 training scores: (B, P) in-batch, else (B, n)
   pair_scores(q, p)              (N,) scores of the pairs (q[i], p[i]) (dense reps)
   store(reps, width, dtype)      one batch's reps as the rows a corpus keeps (on the CPU)
@@ -61,6 +61,7 @@ A dir's part of each kind (heads own their dirs; st_format reads and writes only
   read_dir(path)                 embedding heads: None for a dir of another kind, else (its sentence-
                                  transformers settings in the kit's keys, its own part: DirSpec.own)
   RECORD_FIELDS                  (optional) {key: (check, what)} of what it keeps in retrieval_kit.json
+  RESUME_FIXED                   (optional) {flag dest: why} a resume cannot change (rundir.start_run)
 
 Adding a kind: one module here with these functions, one line in KINDS, its tests (docs/architecture.md).
 """
@@ -79,6 +80,7 @@ EMBEDDING = tuple(m.NAME for m in KINDS["embedding"])
 RERANKER = tuple(m.NAME for m in KINDS["reranker"])
 READS = (multi_vector, sparse, single_vector)  # the order a dir is asked whose kind it holds (most specific first)
 RECORD_FIELDS = {k: v for m in MODULES.values() for k, v in getattr(m, "RECORD_FIELDS", {}).items()}
+RESUME_FIXED = {k: v for m in MODULES.values() for k, v in getattr(m, "RESUME_FIXED", {}).items()}
 
 
 def default(family="embedding"):

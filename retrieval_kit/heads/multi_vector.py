@@ -17,6 +17,8 @@ from ..st_format import (bad_field, check_length, check_words, is_length, is_wor
 NAME = "multi-vector"
 TEMPERATURE = 1.0  # MaxSim sums over the query's tokens: PyLate's and sentence-transformers' scale 1
 FLAGS = {"multi_vector_dim": 128, "query_expansion": None, "skiplist": None}
+RESUME_FIXED = {"multi_vector_dim": "its token projection has that many rows: start a new run (another --output-dir) "
+                                    "to train another size"}  # what a resume cannot change (rundir.start_run)
 LOAD_FLAGS = ("multi_vector_dim",)  # the flags load() takes (heads.load_args); an export keeps it in its settings
 SETTINGS = {"query_expansion": False, "skiplist_words": []}  # its tokenization (maxsim_sides): MultiVectorEncoder's
 # defaults, neither; read from the flags, the export, the dir's files in that order (heads.biencoder_settings)
