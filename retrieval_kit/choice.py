@@ -73,3 +73,68 @@ def choose(candidates, guard_base=None, guard_margin=None, level=LEVEL, margin=M
                f"significantly worse, or its deficit may exceed {margin:g})")
     rows[chosen]["chosen"] = why + guard_said
     return chosen, rows
+
+
+# ----- merge weights: score each candidate, then the rule (merge.dev_merge, python -m retrieval_kit.merge) ------
+
+GUARD = "guard"  # the splits of a score named guard* are the guard (--guard-beir)
+
+
+def values(per_query, split, metric="ndcg@10"):
+    """One split's per-query `metric`, in query-id order (the same queries for every candidate)."""
+    return [per_query[split][q][metric] for q in sorted(per_query[split])]
+
+
+def guard_values(per_query, metric="ndcg@10"):
+    """Every guard split's per-query values, one after the other; None without a guard."""
+    splits = sorted(s for s in per_query if s.startswith(GUARD))
+    return [v for s in splits for v in values(per_query, s, metric)] if splits else None
+
+
+def choose_alpha(candidates, score, tolerance=None, base=None, guard_margin=None, metric=("dev", "ndcg@10")):
+    """Score each (alpha, state-loading function) of `candidates` - score(per_query) -> {split: metrics} once
+    the state is loaded, filling `per_query` with {split: {qid: metrics}} - and choose an alpha. By default
+    the rule above (choose) over the dev queries: the closest to the base (the smallest alpha) that dev
+    shows within MARGIN of the best, else the best; with guard splits (--guard-beir), none that loses more than `guard_margin` of alpha 0's guard score (`base`: the
+    loading function of alpha 0, scored for it when no candidate is 0). With an explicit `tolerance`, the
+    smallest alpha within it of the best dev `metric`, as before. Returns (chosen alpha, rows: {"alpha",
+    split: metrics, "choice": the rule's row})."""
+    rows, per = [], []
+    for alpha, apply in sorted(candidates, key=lambda c: c[0]):
+        apply()
+        pq = {}
+        rows.append({"alpha": alpha, **{split: {k: v for k, v in m.items() if not isinstance(v, list)}  # (per-query
+                                        for split, m in score(pq).items()}})  # values: in per_query, not the record)
+        per.append(pq)
+    if tolerance is not None:
+        best = max(r[metric[0]][metric[1]] for r in rows)
+        return next(r["alpha"] for r in rows if r[metric[0]][metric[1]] >= best - tolerance), rows
+    guard_base = None
+    if guard_values(per[0]) is not None:
+        if rows[0]["alpha"] != 0.0:
+            base()
+            score(pq := {})
+            guard_base = guard_values(pq, metric[1])
+        else:
+            guard_base = guard_values(per[0], metric[1])
+    chosen, table = choose([{"name": r["alpha"], "dev": values(pq, metric[0], metric[1]),
+                             "guard": guard_values(pq, metric[1])} for r, pq in zip(rows, per)],
+                           guard_base=guard_base, guard_margin=guard_margin)
+    for r, t in zip(rows, table):
+        r["choice"] = {k: v for k, v in t.items() if k != "name"}
+    return rows[chosen]["alpha"], rows
+
+
+def describe(chosen, rows, metric=("dev", "ndcg@10")):
+    said = next((r["choice"].get("chosen") for r in rows if r["alpha"] == chosen and "choice" in r), None)
+    lines = [f"merge with the base, chosen on {metric[0]}/{metric[1]}: alpha {chosen:g} (" +
+             (said or "the smallest within the tolerance of the best") + ")"]
+    for r in rows:
+        c = r.get("choice", {})
+        extra = (f", p {c['p_worse_than_best']:.3f} that it is worse than the best, deficit at most "
+                 f"{c['deficit_bound']:.4f}" if "p_worse_than_best" in c else "") + \
+            (f", guard {c['guard']:.4f}{'' if c['guard_ok'] else ' (below the floor)'}" if "guard" in c else "")
+        lines.append(f"  alpha {r['alpha']:g}: " + ", ".join(
+            f"{s}/{metric[1]} {m[metric[1]]:.4f}" + (f" +- {m[metric[1] + '_se']:.4f}" if metric[1] + "_se" in m else "")
+            for s, m in r.items() if s not in ("alpha", "choice") and metric[1] in m) + extra)
+    return "\n".join(lines)

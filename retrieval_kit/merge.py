@@ -286,76 +286,10 @@ def not_ours(out):
 
 # ----- the weight chosen on dev --------------------------------------------------------------------
 
-GUARD = "guard"  # the splits of a score named guard* are the guard (--guard-beir)
-
-
-def values(per_query, split, metric="ndcg@10"):
-    """One split's per-query `metric`, in query-id order (the same queries for every candidate)."""
-    return [per_query[split][q][metric] for q in sorted(per_query[split])]
-
-
-def guard_values(per_query, metric="ndcg@10"):
-    """Every guard split's per-query values, one after the other; None without a guard."""
-    splits = sorted(s for s in per_query if s.startswith(GUARD))
-    return [v for s in splits for v in values(per_query, s, metric)] if splits else None
-
-
-def choose(candidates, score, tolerance=None, base=None, guard_margin=None, metric=("dev", "ndcg@10")):
-    """Score each (alpha, state-loading function) of `candidates` - score(per_query) -> {split: metrics} once
-    the state is loaded, filling `per_query` with {split: {qid: metrics}} - and choose an alpha. By default
-    the rule of retrieval_kit/choice.py over the dev queries: the closest to the base (the smallest alpha) that
-    dev shows within choice.MARGIN of the best, else the best; with guard
-    splits (--guard-beir), none that loses more than `guard_margin` of alpha 0's guard score (`base`: the
-    loading function of alpha 0, scored for it when no candidate is 0). With an explicit `tolerance`, the
-    smallest alpha within it of the best dev `metric`, as before. Returns (chosen alpha, rows: {"alpha",
-    split: metrics, "choice": the rule's row})."""
-    from .choice import choose as rule
-
-    rows, per = [], []
-    for alpha, apply in sorted(candidates, key=lambda c: c[0]):
-        apply()
-        pq = {}
-        rows.append({"alpha": alpha, **{split: {k: v for k, v in m.items() if not isinstance(v, list)}  # (per-query
-                                        for split, m in score(pq).items()}})  # values: in per_query, not the record)
-        per.append(pq)
-    if tolerance is not None:
-        best = max(r[metric[0]][metric[1]] for r in rows)
-        return next(r["alpha"] for r in rows if r[metric[0]][metric[1]] >= best - tolerance), rows
-    guard_base = None
-    if guard_values(per[0]) is not None:
-        if rows[0]["alpha"] != 0.0:
-            base()
-            score(pq := {})
-            guard_base = guard_values(pq, metric[1])
-        else:
-            guard_base = guard_values(per[0], metric[1])
-    chosen, table = rule([{"name": r["alpha"], "dev": values(pq, metric[0], metric[1]),
-                           "guard": guard_values(pq, metric[1])} for r, pq in zip(rows, per)],
-                         guard_base=guard_base, guard_margin=guard_margin)
-    for r, t in zip(rows, table):
-        r["choice"] = {k: v for k, v in t.items() if k != "name"}
-    return rows[chosen]["alpha"], rows
-
-
-def describe(chosen, rows, metric=("dev", "ndcg@10")):
-    said = next((r["choice"].get("chosen") for r in rows if r["alpha"] == chosen and "choice" in r), None)
-    lines = [f"merge with the base, chosen on {metric[0]}/{metric[1]}: alpha {chosen:g} (" +
-             (said or "the smallest within the tolerance of the best") + ")"]
-    for r in rows:
-        c = r.get("choice", {})
-        extra = (f", p {c['p_worse_than_best']:.3f} that it is worse than the best, deficit at most "
-                 f"{c['deficit_bound']:.4f}" if "p_worse_than_best" in c else "") + \
-            (f", guard {c['guard']:.4f}{'' if c['guard_ok'] else ' (below the floor)'}" if "guard" in c else "")
-        lines.append(f"  alpha {r['alpha']:g}: " + ", ".join(
-            f"{s}/{metric[1]} {m[metric[1]]:.4f}" + (f" +- {m[metric[1] + '_se']:.4f}" if metric[1] + "_se" in m else "")
-            for s, m in r.items() if s not in ("alpha", "choice") and metric[1] in m) + extra)
-    return "\n".join(lines)
-
-
 def dev_merge(final, base_dir, alphas, tolerance, score, device="cpu", guard_margin=None):
     """A run's --merge-alphas, after its export: each alpha's merge of `final` with the run's base scored by
     `score(model, tokenizer, settings, per_query)` -> {split: metrics} (the dev split first; --eval-beir
-    reported; --guard-beir as guard*), filling per_query (choose); `final` rewritten as the chosen merge, the
+    reported; --guard-beir as guard*), filling per_query (choice.choose_alpha); `final` rewritten as the chosen merge, the
     choice and every candidate's scores recorded there. Every rank takes part (the scoring is sharded like
     evaluation's). Returns the record."""
     model, tok, settings, head = load(final)
@@ -368,9 +302,9 @@ def dev_merge(final, base_dir, alphas, tolerance, score, device="cpu", guard_mar
 
     def candidate(alpha):
         return alpha, lambda: model.load_state_dict(interpolate(base, tuned, alpha))
-    chosen, rows = choose([candidate(a) for a in alphas], lambda pq: score(model, tok, settings, pq), tolerance,
-                          candidate(0.0)[1], guard_margin)
-    dist.print0(describe(chosen, rows))
+    chosen, rows = choice.choose_alpha([candidate(a) for a in alphas], lambda pq: score(model, tok, settings, pq),
+                                       tolerance, candidate(0.0)[1], guard_margin)
+    dist.print0(choice.describe(chosen, rows))
     model.to("cpu").load_state_dict(interpolate(base, tuned, chosen))
     record = {"formula": "(1 - alpha) * base + alpha * tuned", "base": base_dir, "alpha": chosen,
               "chosen_on": "dev/ndcg@10", **({"tolerance": tolerance} if tolerance is not None else
@@ -473,9 +407,10 @@ def main(argv=None):
             scorer = scoring(settings, head, a.dev_beir, a.report_beir, a.biencoder, ctx.device, a.guard_beir)
             model.to(ctx.device)
             at = lambda x: lambda: model.load_state_dict(interpolate(base, tuned, x))  # noqa: E731
-            chosen, rows = choose([(x, at(x)) for x in a.alpha], lambda pq: scorer(model, tok, settings, pq),
-                                  a.tolerance, at(0.0), a.guard_margin)
-            dist.print0(describe(chosen, rows))
+            chosen, rows = choice.choose_alpha([(x, at(x)) for x in a.alpha],
+                                               lambda pq: scorer(model, tok, settings, pq), a.tolerance, at(0.0),
+                                               a.guard_margin)
+            dist.print0(choice.describe(chosen, rows))
             record.update(alpha=chosen, chosen_on=f"{a.dev_beir} ndcg@10", candidates=rows,
                           **({"tolerance": a.tolerance} if a.tolerance is not None else
                              {"rule": choice.RULE,
@@ -516,11 +451,11 @@ def main(argv=None):
 def scoring(settings, head, dev_beir, report_beir, biencoder, device, guard_beir=None):
     """score(model, tokenizer, settings, per_query) -> {"dev": metrics, report dir: metrics, "guard_<dir>":
     metrics}: a bi-encoder's retrieval metrics on each set (with the standard error of nDCG@10); a reranker's,
-    reranking `biencoder`'s top 10 alone; `per_query` filled with each set's per-query metrics (choose)."""
+    reranking `biencoder`'s top 10 alone; `per_query` filled with each set's per-query metrics (choice.choose_alpha)."""
     from .evaluate import load_beir, load_biencoder, rerank, retrieve, with_se
 
     sets = {"dev": load_beir(dev_beir), **{r: load_beir(r) for r in report_beir},
-            **{f"{GUARD}_{os.path.basename(os.path.normpath(g))}": load_beir(g) for g in guard_beir or []}}
+            **{f"{choice.GUARD}_{os.path.basename(os.path.normpath(g))}": load_beir(g) for g in guard_beir or []}}
     if settings.get("kind") != "reranker":
         def score(model, tok, s, per_query):
             embedder = head.embedder(model, s).eval()
