@@ -87,6 +87,35 @@ def test_no_import_cycle_among_the_kits_modules():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # the check can fail
 
 
+def dynamic_imports(path):
+    """Lines of `path` that load a module by name (importlib.import_module, __import__): an import edge the
+    cycle check could not see."""
+    return [f"{n.lineno}: {ast.unparse(n)[:60]}" for n in ast.walk(tree(path)) if isinstance(n, ast.Call)
+            and ast.unparse(n.func) in ("importlib.import_module", "import_module", "__import__")]
+
+
+def test_every_import_is_one_the_cycle_check_sees():
+    """No module of the kit loads another by name: every edge is an import statement (at the top or in a
+    function), so the cycle check above sees the whole graph; the registry imports its heads plain."""
+    bad = {m: dynamic_imports(path_of(m)) for m in MODULES}
+    assert not {m: lines for m, lines in bad.items() if lines}, bad
+    probe = os.path.join(ROOT, "tests", "data", "dynamic_import_probe.txt")  # the check can fail
+    assert dynamic_imports(probe) == ["1: importlib.import_module(f'retrieval_kit.heads.{name}')"]
+
+
+def test_each_kind_owns_its_dir_st_format_imports_no_head_and_no_head_module_is_imported_outside_heads():
+    """st_format holds what every kind shares and imports nothing of heads/ (each head reads and writes its
+    own dir: read_dir, write_export); outside heads/ the kit reaches a head through the registry (heads.get,
+    heads.default), never by importing its module."""
+    imports = {m: {n for n, _ in kit_imports(m)} for m in MODULES}
+    assert not {n for n in imports["st_format"] if n.startswith("heads")}, imports["st_format"]
+    outside = {m: sorted(n for n in names if n.startswith("heads/")) for m, names in imports.items()
+               if not m.startswith("heads")}
+    assert not {m: names for m, names in outside.items() if names}, outside
+    graph = {**imports, "st_format": imports["st_format"] | {"heads"}}  # the check can fail: the old edge back
+    assert find_cycle({m: {n for n in names if n in MODULES and n != m} for m, names in graph.items()})
+
+
 def test_no_private_name_is_imported_across_modules():
     bad = [(m, n, name) for m in MODULES for n, names in kit_imports(m) for name in names if name.startswith("_")]
     assert not bad, bad
@@ -184,23 +213,32 @@ def test_the_layering_rules_hold():
 
 
 def kind_comparisons(path):
-    """Lines of `path` that compare a value against a kind's name (heads.MODULES), or dispatch on a
-    tensor's shape (`.dim() == k`) or sparsity (`.is_sparse`)."""
+    """Lines of `path` that name a kind: a string equal to a kind's name (heads.MODULES) anywhere in an
+    expression (a comparison, a default, a dict key; docstrings aside), a head's module by its name
+    (`single_vector`, `heads.multi_vector`), or that dispatch on a tensor's shape (`.dim() == k`) or sparsity
+    (`.is_sparse`)."""
     from retrieval_kit.heads import MODULES as names
 
-    out = []
-    for node in ast.walk(tree(path)):
+    modules = {m.__name__.rsplit(".", 1)[-1] for m in names.values()}
+    root = tree(path)
+    docs = {id(n.body[0].value) for n in ast.walk(root) if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    out = set()
+    for node in ast.walk(root):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names \
+                and id(node) not in docs:
+            out.add((node.lineno, repr(node.value)))
+        if isinstance(node, ast.Name) and node.id in modules or isinstance(node, ast.Attribute) and node.attr in modules:
+            out.add((node.lineno, ast.unparse(node)))
         if isinstance(node, ast.Compare):
             parts = [node.left, *node.comparators]
             consts = [c for p in parts for c in ast.walk(p) if isinstance(c, ast.Constant)]
-            if any(c.value in names for c in consts if isinstance(c.value, str)):
-                out.append(f"{node.lineno}: {ast.unparse(node)}")
             if any(isinstance(p, ast.Call) and getattr(p.func, "attr", None) == "dim" for p in parts) and any(
                     c.value == 3 for c in consts):  # (token vectors: the multi-vector head's shape)
-                out.append(f"{node.lineno}: {ast.unparse(node)}")
+                out.add((node.lineno, ast.unparse(node)))
         if isinstance(node, ast.Attribute) and node.attr == "is_sparse":
-            out.append(f"{node.lineno}: {ast.unparse(node)}")
-    return out
+            out.add((node.lineno, ast.unparse(node)))
+    return [f"{line}: {what}" for line, what in sorted(out)]
 
 
 def test_outside_heads_and_cli_nothing_branches_on_the_kind():
@@ -209,4 +247,5 @@ def test_outside_heads_and_cli_nothing_branches_on_the_kind():
     bad = {os.path.relpath(f, ROOT): kind_comparisons(f) for f in files}
     assert not {f: lines for f, lines in bad.items() if lines}, bad
     probe = os.path.join(ROOT, "tests", "data", "kind_branch_probe.txt")  # the check can fail
-    assert kind_comparisons(probe) == ["1: settings.get('head') == 'sparse'", "2: q.dim() == 3", "3: p.is_sparse"]
+    assert kind_comparisons(probe) == ["1: 'sparse'", "1: sparse", "2: q.dim() == 3", "3: p.is_sparse", "4: 'multi-vector'",
+                                       "5: single_vector", "6: heads.lm"]
