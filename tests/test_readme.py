@@ -125,7 +125,7 @@ def test_links_point_at_files_that_exist():
 
 def test_the_readme_is_short_and_its_layout_lists_every_module():
     text = read(os.path.join(ROOT, "README.md"))
-    assert len(text.splitlines()) <= 300
+    assert len(text.splitlines()) <= 210  # (about 200: a user's page; history goes to docs/benchmarks.md)
     layout = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
     modules = sorted(f for f in os.listdir(os.path.join(ROOT, "retrieval_kit")) if f.endswith(".py") and f != "__init__.py")
     assert not [m for m in modules if f"  {m}" not in layout]
