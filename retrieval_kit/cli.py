@@ -767,7 +767,7 @@ def head_flags(args, head, whose="this run's", spec=None):
     else its defaults, in `args` (so the run header and the checkpoint hold what ran), and so do --head and
     --temperature (the head's TEMPERATURE)."""
     module = heads.get(head)
-    fixed = module.dir_flags(spec) if spec is not None and hasattr(module, "dir_flags") else {}
+    fixed = module.dir_flags(spec) if spec is not None else {}
     for dest, value in fixed.items():
         given = getattr(args, dest, None)
         if given is not None and given != value:

@@ -63,10 +63,16 @@ A dir's part of each kind (heads own their dirs; st_format reads and writes only
   RECORD_FIELDS                  (optional) {key: (check, what)} of what it keeps in retrieval_kit.json
   RESUME_FIXED                   (optional) {flag dest: why} a resume cannot change (rundir.start_run)
 
+A head writes only what it needs: a name it leaves out reads as DEFAULTS (below), the interface's defaults
+in one place (lora_trained, fresh_params, dir_flags, prepare, serving, sides, stack, select, as_dense,
+corpus_stats, empty_rows, regularizer, split_export, memory_note, token_ids, finish_export, SETTINGS ...).
+
 Adding a kind: one module here with these functions, one line in KINDS, its tests (docs/architecture.md).
 """
 
 import os
+
+import torch
 
 from .. import dist
 from ..models import decoder_dir
@@ -75,12 +81,32 @@ from ..st_format import (KIT_DEFAULTS, SETTINGS_FILE, DirSpec, bad_field, check_
 from . import classifier, lm, multi_vector, single_vector, sparse
 
 KINDS = {"embedding": (single_vector, multi_vector, sparse), "reranker": (classifier, lm)}  # the first: the default
+DEFAULTS = {  # what a head leaves out reads as this: the defaults of the interface, in one place
+    "SETTINGS": {}, "LOAD_FLAGS": (), "RECORD_FIELDS": {}, "RESUME_FIXED": {},
+    "lora_trained": lambda model: [],  # nothing trained in full beside LoRA's adapters
+    "fresh_params": lambda model: [],  # nothing starts untrained
+    "dir_flags": lambda spec: {},  # no flag fixed by the dir
+    "prepare": lambda tokenizer, model, settings: {},  # the tokenizer as it is
+    "serving": lambda settings: {},  # inference reads the training settings
+    "sides": lambda tokenizer, settings: {"q": None, "p": None},  # no tokenization beyond the prefix
+    "stack": torch.stack, "select": lambda stored, index: stored[index], "as_dense": lambda stored: stored,  # dense rows
+    "corpus_stats": lambda q, p: {}, "empty_rows": lambda stored: 0,  # (a normalized vector is never all zero)
+    "regularizer": lambda flags, state, count_scale=1.0, max_steps=0: None,  # no loss term of its own
+    "split_export": lambda weights: {},  # no module weights of its own
+    "memory_note": lambda model: None,  # nothing beyond the plan
+    "token_ids": lambda tokenizer, words: None,  # no vocabulary rows read
+    "finish_export": lambda stage, settings, trust_remote_code, seq_cls: settings,  # nothing written afterwards
+}
+for _head in (m for family_ in KINDS.values() for m in family_):
+    for _name, _default in DEFAULTS.items():
+        if not hasattr(_head, _name):
+            setattr(_head, _name, _default)
 MODULES = {m.NAME: m for family_ in KINDS.values() for m in family_}
 EMBEDDING = tuple(m.NAME for m in KINDS["embedding"])
 RERANKER = tuple(m.NAME for m in KINDS["reranker"])
 READS = (multi_vector, sparse, single_vector)  # the order a dir is asked whose kind it holds (most specific first)
-RECORD_FIELDS = {k: v for m in MODULES.values() for k, v in getattr(m, "RECORD_FIELDS", {}).items()}
-RESUME_FIXED = {k: v for m in MODULES.values() for k, v in getattr(m, "RESUME_FIXED", {}).items()}
+RECORD_FIELDS = {k: v for m in MODULES.values() for k, v in m.RECORD_FIELDS.items()}
+RESUME_FIXED = {k: v for m in MODULES.values() for k, v in m.RESUME_FIXED.items()}
 
 
 def default(family="embedding"):
@@ -97,7 +123,7 @@ def get(name):
 
 def load_args(head, values):
     """The keyword arguments of `head`'s load() among `values` (flags, or an export's settings): its LOAD_FLAGS."""
-    return {k: values.get(k) for k in getattr(head, "LOAD_FLAGS", ())}
+    return {k: values.get(k) for k in head.LOAD_FLAGS}
 
 
 def read_spec(model_dir):

@@ -34,10 +34,6 @@ def rerank_head(model):
     raise ValueError(f"{type(model).__name__}: no `score` or `classifier` linear head found")
 
 
-def memory_note(model):
-    return None
-
-
 def fresh_params(model):
     """The params of a *ForSequenceClassification model's head: the final linear layer and, for BERT,
     the pooler in front of it (untrained in checkpoints trained for mean pooling, such as MiniLM)."""
@@ -59,10 +55,6 @@ def lora_trained(model):
 def padding_side(flag):
     """--padding-side: auto keeps the tokenizer's own (None)."""
     return None if flag == "auto" else flag
-
-
-def token_ids(tokenizer, words):
-    return None
 
 
 class FP32Linear(torch.nn.Linear):
@@ -147,6 +139,3 @@ def write_export(stage, settings, tokenizer):
         settings["chat_template_dropped"] = True
     return settings
 
-
-def finish_export(stage, settings, trust_remote_code=False, seq_cls=False):
-    return settings

@@ -33,18 +33,6 @@ def load(path, dtype=torch.float32, *, meta=False, spec=None, seed=0, **load_kw)
     return load_auto(AutoModelForCausalLM, path, dtype, meta=meta, **load_kw)
 
 
-def memory_note(model):
-    return None
-
-
-def fresh_params(model):
-    return []  # the LM head is trained, not fresh
-
-
-def lora_trained(model):
-    return []
-
-
 def padding_side(flag):
     """Left unless --padding-side says otherwise: the score reads the last column."""
     return "left" if flag == "auto" else flag

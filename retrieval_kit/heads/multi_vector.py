@@ -120,10 +120,6 @@ def dir_flags(spec):
     return {"multi_vector_dim": projection["out_features"]} if projection is not None else {}
 
 
-def serving(settings):
-    return {}  # (its sentence-transformers files keep per-task lengths: queries are read at the trained length)
-
-
 def embedder(model, settings, multiple=None):
     """LateInteraction padded to the max lengths as collate pads them, so chunks and ranks concatenate."""
     widths = {"q": settings["query_max_length"], "p": settings["passage_max_length"]}
@@ -284,18 +280,6 @@ def store(reps, width, dtype=STORAGE):
     return F.pad(reps, (0, 0, 0, width - reps.shape[1])).to(dtype or STORAGE).cpu()
 
 
-def stack(rows):
-    return torch.stack(rows)
-
-
-def select(stored, index):
-    return stored[index]
-
-
-def as_dense(stored):
-    return stored
-
-
 def search(q, p, k, query_chunk=64, corpus_chunk=1024):
     """Exact top-k by MaxSim (fp32, in blocks of at most MAXSIM_BLOCK token pairs) for query_chunk x
     corpus_chunk blocks, merged into a running top-k: besides the stored vectors, memory holds one
@@ -303,18 +287,6 @@ def search(q, p, k, query_chunk=64, corpus_chunk=1024):
     from ..search import exact_topk
 
     return exact_topk(q.float(), p, k, query_chunk, corpus_chunk, score=maxsim)
-
-
-def corpus_stats(q, p):
-    return {}
-
-
-def empty_rows(stored):
-    return 0  # (a normalized vector, a token's vector: never all zero)
-
-
-def regularizer(flags, state, count_scale=1.0, max_steps=0):
-    return None
 
 
 # ----- export ------------------------------------------------------------------------------------

@@ -53,10 +53,6 @@ def dense_weights(folder):
     return torch.load(os.path.join(folder, "pytorch_model.bin"), weights_only=True, map_location="cpu")
 
 
-def lora_trained(model):
-    return []
-
-
 def embedding_size(model):
     """The size of the embeddings: the Dense module's output, else the hidden size."""
     dense = getattr(model, "st_dense", None)
@@ -123,14 +119,6 @@ def embedder(model, settings, multiple=None):
     return BiEncoder(model, settings["pooling"], settings["normalize"])
 
 
-def prepare(tokenizer, model, settings):
-    return {}
-
-
-def sides(tokenizer, settings):
-    return {"q": None, "p": None}
-
-
 # ----- scores, corpus, search --------------------------------------------------------------------
 
 scores = contrastive_scores  # the inner product in fp32 ((B, P) in-batch, else (B, n))
@@ -144,34 +132,10 @@ def store(reps, width=None, dtype=None):
     return reps.float().cpu()
 
 
-def stack(rows):
-    return torch.stack(rows)
-
-
-def select(stored, index):
-    return stored[index]
-
-
-def as_dense(stored):
-    return stored
-
-
 def search(q, p, k):
     from ..search import exact_topk
 
     return exact_topk(q, p, k)
-
-
-def corpus_stats(q, p):
-    return {}
-
-
-def empty_rows(stored):
-    return 0  # (a normalized vector, a token's vector: never all zero)
-
-
-def regularizer(flags, state, count_scale=1.0, max_steps=0):
-    return None
 
 
 # ----- export ------------------------------------------------------------------------------------
@@ -191,10 +155,6 @@ def write_export(stage, model, settings, head_weights, out_dir):
     for w in warnings:
         print(f"warning: {out_dir}: {w}", flush=True)
     return {"files": True, "warnings": warnings}
-
-
-def memory_note(model):
-    return None
 
 
 # ----- its dir: a sentence-transformers SentenceTransformer ----------------------------------------

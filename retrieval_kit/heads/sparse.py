@@ -13,7 +13,6 @@ from ..models import decoder_dir, load_auto, quiet_loading
 from ..st_format import module_kinds, read_json, read_modules, read_st_settings, write_json_files
 
 NAME = "sparse"
-SETTINGS = {}  # settings of its own beyond st_format.SETTING_KEYS
 TEMPERATURE = 1.0  # the dot product of unnormalized weights, scale 1, as SpladeLoss
 FLAGS = {"flops_weights": [5e-5, 3e-5], "flops_warmup_steps": None,  # (sentence-transformers' SpladeLoss example)
          "lexical_head_bias": None}  # (None: a fresh head keeps transformers' random init)
@@ -160,14 +159,6 @@ def embedder(model, settings, multiple=None):
     return Splade(model)
 
 
-def prepare(tokenizer, model, settings):
-    return {}
-
-
-def sides(tokenizer, settings):
-    return {"q": None, "p": None}
-
-
 # ----- scores, corpus, search --------------------------------------------------------------------
 
 scores = contrastive_scores  # the inner product in fp32 ((B, P) in-batch, else (B, n))
@@ -291,10 +282,6 @@ def regularizer(flags, state, count_scale=1.0, max_steps=0):
 
 
 # ----- export ------------------------------------------------------------------------------------
-
-def split_export(weights):
-    return {}
-
 
 def write_export(stage, model, settings, head_weights, out_dir):
     """SparseEncoder's files (write_files) for an encoder. Not for a decoder:
