@@ -33,7 +33,7 @@ def build_dirs(root, tiny):
     from retrieval_kit.export import export_model, export_reranker
     from retrieval_kit.heads import classifier, multi_vector, sparse
     from retrieval_kit.models import load_tokenizer
-    from tests.test_colbert_dirs import pylate_dir, stanford_dir
+    from tests.heads.test_multi_vector_dirs import pylate_dir, stanford_dir
 
     out = {}
     torch.manual_seed(1)

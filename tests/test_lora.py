@@ -185,7 +185,7 @@ def test_a_lora_reranker_on_a_bf16_base_trains_fp32_adapters_and_exports_what_st
     from retrieval_kit.encode import rerank_groups
     from retrieval_kit.export import load_exported_reranker
     from tests.conftest import run_script, stock_scores
-    from tests.test_lm_reranker import GROUPS, QUERIES
+    from tests.heads.test_lm import GROUPS, QUERIES
 
     out = tmp_path / "run"
     run_script("train_reranker.py", ["--model", tiny_model_dir, "--train-file", small_train_file, "--val-file", "",

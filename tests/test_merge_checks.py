@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from retrieval_kit import ckpt, merge
 from tests.conftest import python_run, run_script
-from tests.test_lm_reranker import causal_dir, lm_tokenizer  # noqa: F401 (a fixture)
+from tests.heads.test_lm import causal_dir, lm_tokenizer  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow  # each test runs the tool or a training run
 
