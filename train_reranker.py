@@ -17,16 +17,15 @@ import os
 
 import torch
 
-from retrieval_kit import (ckpt, cli, data, dist, dropout, evaluate, heads, log, loop, lora, merge, optim, plan,
-                           precision, records, rundir)
+from retrieval_kit import (ckpt, cli, data, dist, dropout, evaluate, heads, log, loop, lora, merge, optim, pairs,
+                           plan, precision, records, rundir)
 from retrieval_kit.ema import EMA
-from retrieval_kit.collate import DEFAULT_TEMPLATE, PAIR, TEMPLATE_PRESETS, pair_layout, rerank_inputs
+from retrieval_kit.collate import rerank_inputs
 from retrieval_kit.export import export_reranker, model_card, warn_kit_only
 from retrieval_kit.rundir import exit_on_data_error
 from retrieval_kit.losses import RERANK_LOSSES, reranker_loss
 from retrieval_kit.metrics import WindowedAverage
-from retrieval_kit.models import (check_max_lengths, default_model_dir, is_decoder_only, load_once, load_tokenizer,
-                                  make_bidirectional, setup_pad_token)
+from retrieval_kit.models import default_model_dir, load_once, load_tokenizer, make_bidirectional, setup_pad_token
 
 
 def parse_args(argv=None):
@@ -53,39 +52,6 @@ def prepare_net(tokenizer, net, bidirectional):
     if bidirectional:
         make_bidirectional(net)
     return net
-
-
-def resolve_template(template, config):
-    """--prompt-template (or a --train-mix line's "prompt_template"): 'auto' = 'pair' for encoders,
-    the default template for decoders; a preset's name (collate.TEMPLATE_PRESETS) = its template."""
-    if template == "auto":
-        return DEFAULT_TEMPLATE if is_decoder_only(config) else PAIR
-    return TEMPLATE_PRESETS.get(template, template)
-
-
-def run_layout(tokenizer, template, append_eos, max_length, config, multiple):
-    """The run's pair layout (--prompt-template), checked against --rerank-max-length before any
-    step (a template longer than the pairs may be; pairs longer than the model's positions), or one
-    sentence naming the flag at fault."""
-    check_max_lengths(config, tokenizer, {"--rerank-max-length": max_length}, multiple)
-    try:
-        layout = pair_layout(tokenizer, template, append_eos)
-        layout.check(max_length)
-        return layout
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-
-
-def file_layout(tokenizer, file, config, layout, append_eos):
-    """The pair layout of one training file: the run's, or its --train-mix line's "prompt_template"
-    ('pair', 'auto' or a template holding {query} and {passage})."""
-    template = file.prompts.get("prompt_template")
-    if template is None:
-        return layout
-    try:
-        return pair_layout(tokenizer, resolve_template(template, config), append_eos)
-    except ValueError as e:
-        raise SystemExit(f"--train-mix: {file.path}: {e}".replace("--prompt-template", '"prompt_template"')) from None
 
 
 def warn_if_tokenization_changed(meta, settings):
@@ -140,10 +106,10 @@ def main():
         functools.partial(head.load, model_dir, storage_dtype, **cli.load_settings(args)), args.parallel == "fsdp2", ctx)
     lm_ids = head.token_ids(tokenizer, args.lm_tokens)  # lm: the [true, false] vocabulary rows the score reads
     prepare_net(tokenizer, net, args.bidirectional)  # a decoder's pad token; --bidirectional
-    template = resolve_template(args.prompt_template, net.config)
-    layout = run_layout(tokenizer, template, args.append_eos, args.rerank_max_length, net.config,  # every pair's ids
-                        args.pad_to_multiple_of)
-    layouts = {f.name: file_layout(tokenizer, f, net.config, layout, args.append_eos) for f in files}  # --train-mix
+    template = pairs.resolve_template(args.prompt_template, net.config)
+    layout = pairs.run_layout(tokenizer, template, args.append_eos, args.rerank_max_length, net.config,  # every pair's ids
+                              args.pad_to_multiple_of)
+    layouts = {f.name: pairs.file_layout(tokenizer, f, net.config, layout, args.append_eos) for f in files}  # --train-mix
     warn_kit_only(head, args.pooling, args.bidirectional)  # what the stock loaders would score otherwise
     lora_info = lora.apply_each((net, source), train=head.lora_trained, **cli.lora_settings(args, model_dir, storage_dtype))
     torch.manual_seed(args.seed + ctx.rank)  # from here on (dropout) each rank draws its own numbers

@@ -264,7 +264,7 @@ def build_peer(kind, cfg, base, rows):
     if kind == "lm":  # (a causal LM: its LogitScore, yes / no at the last position)
         from peft import LoraConfig, get_peft_model
 
-        from retrieval_kit.collate import TEMPLATE_PRESETS, pair_layout
+        from retrieval_kit.pairs import TEMPLATE_PRESETS, pair_layout
         from retrieval_kit.export import reranker_chat_template
 
         from retrieval_kit.models import setup_pad_token
@@ -321,7 +321,7 @@ def write_reranker_settings(kind, cfg, final):
     """How the peer's CrossEncoder dir renders a pair, in the kit's words (its retrieval_kit.json)."""
     from transformers import AutoTokenizer
 
-    from retrieval_kit.collate import TEMPLATE_PRESETS
+    from retrieval_kit.pairs import TEMPLATE_PRESETS
     from retrieval_kit.heads import lm
 
     tok = AutoTokenizer.from_pretrained(final)

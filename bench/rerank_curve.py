@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from retrieval_kit import ckpt  # noqa: E402
 from retrieval_kit import precision  # noqa: E402
 from retrieval_kit.encode import score_pairs  # noqa: E402
-from retrieval_kit.collate import rerank_layout  # noqa: E402
+from retrieval_kit.pairs import rerank_layout  # noqa: E402
 from retrieval_kit.evaluate import fuse_scores, load_beir, load_biencoder, reorder, retrieve  # noqa: E402
 from retrieval_kit.export import load_exported_reranker  # noqa: E402
 from retrieval_kit.metrics import rank_docs, retrieval_metrics  # noqa: E402

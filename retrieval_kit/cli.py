@@ -594,7 +594,7 @@ def biencoder_parser(description=None):
 
 def reranker_parser(description=None):
     """Every flag of train_reranker.py."""
-    from .collate import DEFAULT_TEMPLATE
+    from .pairs import DEFAULT_TEMPLATE
     from .losses import RERANK_LOSSES
 
     p = KitParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)

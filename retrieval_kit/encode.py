@@ -53,11 +53,12 @@ def score_pairs(model, tokenizer, queries, passages, settings, batch_size=32, de
     """Cross-encoder scores of the pairs (queries[i], passages[i]): (N,) float32 on CPU, in input order.
 
     `model` is a reranker head's scorer; `settings` holds the tokenization saved with the export or
-    checkpoint (collate.rerank_layout reads it), so scoring tokenizes as training did. The pairs go through in
+    checkpoint (pairs.rerank_layout reads it), so scoring tokenizes as training did. The pairs go through in
     forwards of `batch_size` pairs sorted by length (characters), each padded only to its own longest,
     as encode_texts does with texts.
     """
-    from .collate import collate_rerank, rerank_layout
+    from .collate import collate_rerank
+    from .pairs import rerank_layout
 
     layout = layout or rerank_layout(tokenizer, settings)
     was_training = model.training
@@ -105,7 +106,7 @@ def encode_shard(model, tokenizer, texts, max_length, prefix="", batch_size=64, 
 def warn_empty(head, stored, what):
     """A warning (once per process and `what`) when `head` stored all-zero vectors for some texts: they
     score 0 against everything (a sparse model that activates no dimension for them)."""
-    from .collate import warn_once
+    from .pairs import warn_once
 
     n = head.empty_rows(stored)
     if n:

@@ -11,7 +11,7 @@ also loads, and all of them score a (query, passage) pair as the kit does:
   - pairs are rendered as training rendered them. The tokenizer's pair encoding (`--prompt-template
     pair`): `tokenizer(query, passage)`, with `model_max_length` the trained `rerank_max_length` so
     `truncation=True` cuts where training cut (an appended EOS is added by a rewritten pair
-    post-processor, collate.pair_post_processor). A prompt template: a chat template whose
+    post-processor, pairs.pair_post_processor). A prompt template: a chat template whose
     `query` / `document` roles render the trained string (`reranker_chat_template`; other roles
     render with the model's own chat template), which CrossEncoder applies to a pair and tokenizes
     as one string, restoring the tail after truncation, as the kit cuts. A classifier export with the
@@ -31,7 +31,7 @@ import torch
 
 from . import heads
 from .ckpt import full_state_dict
-from .collate import PAIR, TemplateLayout, pair_layout, pair_post_processor
+from .pairs import PAIR, TemplateLayout, pair_layout, pair_post_processor
 from .dist import barrier, rank, unwrap
 from .flags import writing
 from .outputs import publish, stage as make_stage, staging

@@ -270,10 +270,26 @@ def decoder_dir(path):
     return model_type is not None and is_decoder_only(SimpleNamespace(model_type=model_type))
 
 
+def find_subsequence(seq, sub, start=0):
+    """The first index at or after `start` where `sub` runs in `seq`, or -1."""
+    for i in range(start, len(seq) - len(sub) + 1):
+        if seq[i:i + len(sub)] == sub:
+            return i
+    return -1
+
+
+def special_tokens_around(tokenizer):
+    """(prefix, suffix) ids the tokenizer adds around one sequence, e.g. ([CLS], [SEP]) or ([BOS], [])."""
+    bare = tokenizer("a", add_special_tokens=False)["input_ids"]
+    full = tokenizer("a", add_special_tokens=True)["input_ids"]
+    i = find_subsequence(full, bare)
+    if i < 0:
+        raise ValueError(f"{type(tokenizer).__name__}: cannot locate the special tokens it adds")
+    return full[:i], full[i + len(bare):]
+
+
 def appends_eos(tokenizer):
     """Does the tokenizer end each single text with its EOS token?"""
-    from .collate import special_tokens_around
-
     suffix = special_tokens_around(tokenizer)[1]
     return bool(suffix) and suffix[-1] == tokenizer.eos_token_id
 
@@ -284,8 +300,6 @@ def append_eos_token(tokenizer):
     that has seen the whole text. The change is the tokenizer's own post-processor, so the export's
     tokenizer (and SentenceTransformer loading it) encodes the same ids."""
     from tokenizers import processors
-
-    from .collate import special_tokens_around
 
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"{type(tokenizer).__name__} has no EOS token to append: pass --no-append-eos")

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from retrieval_kit.collate import collate_biencoder, collate_rerank, DEFAULT_TEMPLATE, encode_pair, PAIR, pair_layout
+from retrieval_kit.collate import collate_biencoder, collate_rerank
+from retrieval_kit.pairs import DEFAULT_TEMPLATE, encode_pair, PAIR, pair_layout
 from retrieval_kit.losses import listwise_loss
 
 LONG = "zstd is a fast lossless compression algorithm with a very long description " * 30

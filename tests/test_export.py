@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from retrieval_kit import data
 from retrieval_kit.records import read_records
-from retrieval_kit.collate import DEFAULT_TEMPLATE, encode_pair, PAIR
+from retrieval_kit.pairs import DEFAULT_TEMPLATE, encode_pair, PAIR
 from retrieval_kit.encode import rerank_groups
 from retrieval_kit.export import export_reranker, load_exported_reranker
 from retrieval_kit.heads.classifier import load as load_reranker, rerank_head

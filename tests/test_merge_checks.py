@@ -176,7 +176,8 @@ def test_merge_alphas_keep_the_adapter_at_alpha_and_the_seq_cls_dir(run, tiny_mo
             model, tok, s = load_exported_reranker(str(final))
             queries, groups = ["how do i list files"], [["ls lists files", "zstd compresses data"]]
             kit = rerank_groups(model, tok, queries, groups, s).view(-1)
-            from retrieval_kit.collate import collate_rerank, rerank_layout
+            from retrieval_kit.collate import collate_rerank
+            from retrieval_kit.pairs import rerank_layout
 
             batch = collate_rerank(tok, queries, groups, max_length=192, layout=rerank_layout(tok, s))
             seq = AutoModelForSequenceClassification.from_pretrained(final / "seq_cls").eval()

@@ -88,7 +88,7 @@ def test_autocast_forward_computes_in_bf16_and_hands_back_fp32_embeddings_and_sc
 
     import torch.nn.functional as F
 
-    from retrieval_kit.collate import PAIR
+    from retrieval_kit.pairs import PAIR
     from retrieval_kit.encode import encode_texts, score_pairs
     from retrieval_kit.heads.classifier import Classifier
     from retrieval_kit.heads.single_vector import BiEncoder

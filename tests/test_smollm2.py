@@ -18,7 +18,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from retrieval_kit.collate import DEFAULT_TEMPLATE, QWEN3_INSTRUCTION, TEMPLATE_PRESETS, collate_rerank, encode_pair
+from retrieval_kit.collate import QWEN3_INSTRUCTION, collate_rerank
+from retrieval_kit.pairs import DEFAULT_TEMPLATE, TEMPLATE_PRESETS, encode_pair
 from tests.conftest import reference_pair_ids, run_script
 
 # Qwen3-Reranker's model card: the system prompt and the user turn's start, then the body, then the end of the
@@ -79,7 +80,7 @@ def test_the_qwen3_preset_is_qwen3_rerankers_reference_formatting_token_for_toke
 def test_the_default_template_is_the_string_tokenized_as_one(smol_tok, tokenizer):
     """A byte-level BPE: the rendered string's ids (sentence-transformers' way of a chat template, written
     independently in conftest.reference_pair_ids); WordPiece (MiniLM): the same ids the splice gave."""
-    from retrieval_kit.collate import pair_layout
+    from retrieval_kit.pairs import pair_layout
     from retrieval_kit.export import reranker_chat_template
 
     smol_tok.chat_template = reranker_chat_template(pair_layout(smol_tok, DEFAULT_TEMPLATE))

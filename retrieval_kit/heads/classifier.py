@@ -130,7 +130,7 @@ def write_export(stage, settings, tokenizer):
     through which CrossEncoder would render a pair otherwise than tokenizer(query, passage)."""
     import os
 
-    from ..collate import PAIR
+    from ..pairs import PAIR
 
     edit_json(os.path.join(stage, "config.json"),
               lambda c: c.setdefault("sentence_transformers", {}).update(activation_fn=IDENTITY))

@@ -90,7 +90,7 @@ def kit_only_reasons(pooling, bidirectional):
 
 def write_export(stage, settings, tokenizer):
     """sentence-transformers' files: the causal LM, then LogitScore on the last position (write_cross_encoder_files)."""
-    from ..collate import PAIR
+    from ..pairs import PAIR
 
     write_cross_encoder_files(stage, settings["lm_token_ids"], settings["rerank_max_length"],
                                  chat=settings["prompt_template"] != PAIR)
@@ -116,7 +116,7 @@ def write_seq_cls(out_dir, settings, trust_remote_code=False):
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from ..collate import pair_layout
+    from ..pairs import pair_layout
 
     yes, no = settings["lm_token_ids"]
     lm = AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=trust_remote_code)

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from retrieval_kit.collate import TEMPLATE_PRESETS, collate_rerank
+from retrieval_kit.collate import collate_rerank
+from retrieval_kit.pairs import TEMPLATE_PRESETS
 from retrieval_kit.heads import lm
 from retrieval_kit.models import setup_pad_token
 
@@ -83,7 +84,7 @@ def test_a_head_lm_run_exports_a_causal_lm_that_scores_as_the_kit(lora, lm_token
     from transformers import AutoModelForCausalLM
 
     from retrieval_kit.encode import rerank_groups
-    from retrieval_kit.collate import rerank_layout
+    from retrieval_kit.pairs import rerank_layout
     from retrieval_kit.export import load_exported_reranker
 
     path = causal_dir("qwen3", lm_tokenizer, tmp_path / "qwen3")
