@@ -59,94 +59,120 @@ def main():
 
     # ----- distributed, seeds ------------------------------------------------------------------
     ctx = dist.init(args.device, args.dist_backend, args.dist_timeout)
-    cli.resolve_device_defaults(args, ctx.device)  # what `auto` means here: compute dtype, TF32, chunks, workers
+    cli.resolve_device_defaults(args, ctx.device)  # what `auto` means here: dtype, TF32, chunks
     dist.seed_all(args.seed, ctx.rank)  # dropout differs per rank; data order comes from args.seed
 
     # ----- data: read and validate everything before any model is loaded -----------------------
-    files, val_records, args.train_mixture, dev = records.read_train_val(  # [TrainFile]: each its records; dev:
-        cli.data_spec(args, cli.BIENCODER_PROMPT_KEYS), ctx.world_size)  # --dev-queries; the mixture: in the args
-    retrieval = evaluate.retrieval_sets(args.eval_beir, dev, cli.guard_names(args))  # beir, dev, guard_* (BEIR sets)
+    # [TrainFile] (each its records), the val groups, the mixture (kept in the args), --dev-queries
+    files, val_records, args.train_mixture, dev = records.read_train_val(
+        cli.data_spec(args, cli.BIENCODER_PROMPT_KEYS), ctx.world_size)
+    retrieval = evaluate.retrieval_sets(args.eval_beir, dev, cli.guard_names(args))  # beir, dev...
     gather = args.gather_negatives if args.gather_negatives is not None else ctx.world_size > 1
 
-    # ----- the head (the kind of model), once; the model in the storage dtype; resume, part 1 --------
+    # ----- the head (the kind of model), once; the model in the storage dtype; resume, part 1 ---
     storage_dtype, compute_dtype, autocast_dtype = cli.precision_dtypes(args)  # precision.resolve
     model_dir = args.model or default_model_dir()
     spec = heads.read_spec(model_dir)  # what the dir holds, validated as a whole
-    settings = heads.biencoder_settings(spec, cli.setting_overrides(args), training=True)  # says what the dir set
-    head = cli.head_flags(args, settings["head"], spec=spec)  # --head or the dir's (heads/); another head's flag: one sentence
+    settings = heads.biencoder_settings(spec, cli.setting_overrides(args), training=True)
+    head = cli.head_flags(args, settings["head"], spec=spec)  # another head's flag: one sentence
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code, spec.prepare_tokenizer)
-    encoder, source = load_once(  # FSDP2: built on the meta device, rank 0 alone loads the weights (on the CPU)
-        functools.partial(head.load, model_dir, storage_dtype, spec=spec, seed=args.seed,
-                          **cli.load_settings(args), **cli.head_load_settings(args, head)), args.parallel == "fsdp2", ctx)
-    evaluate.prepare(tokenizer, encoder, settings, head, args.append_eos, args.bidirectional,  # a decoder: pad left,
-                     args.pad_to_multiple_of)  # EOS, lengths checked; multi-vector: whole-token markers, its size
-    dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights, head.embedding_size(encoder))
-    lora_info = lora.apply_each((encoder, source), train=head.lora_trained, **cli.lora_settings(args, model_dir, storage_dtype))
-    resume_dir = rundir.start_run(**cli.resume_request(args), run_args=vars(args), neutral=cli.run_neutral())
-    ckpt.restore_model(source, resume_dir, storage_dtype)  # a resume: weights (rank 0's under FSDP2) -> cast
+    load = functools.partial(head.load, model_dir, storage_dtype, spec=spec, seed=args.seed,
+                             **cli.load_settings(args), **cli.head_load_settings(args, head))
+    encoder, source = load_once(load, args.parallel == "fsdp2", ctx)  # FSDP2: meta, rank 0 loads
+    evaluate.prepare(tokenizer, encoder, settings, head, args.append_eos, args.bidirectional,
+                     args.pad_to_multiple_of)  # a decoder: pad left, EOS; the lengths checked
+    dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights,
+                           head.embedding_size(encoder))
+    lora_info = lora.apply_each((encoder, source), train=head.lora_trained,
+                                **cli.lora_settings(args, model_dir, storage_dtype))
+    resume_dir = rundir.start_run(**cli.resume_request(args), run_args=vars(args),
+                                  neutral=cli.run_neutral())
+    ckpt.restore_model(source, resume_dir, storage_dtype)  # a resume: weights -> cast
 
-    # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -----------
-    model, eval_model = dist.wrap(head.embedder(encoder, settings, args.pad_to_multiple_of), encoder, ctx,
-                                  mp_policy=precision.mp_policy(compute_dtype), source=source, **cli.wrap_settings(args))
-    if dev and args.dev_neighbours:  # each dev query's nearest training passages by the base join the dev corpus
-        retrieval["dev"] = evaluate.add_neighbours(dev, records.passage_pool(files), args.dev_neighbours, lambda b, k: (
-            evaluate.retrieve(eval_model, tokenizer, settings, b, k, args.val_batch_size, ctx.device)), args.output_dir,
-            not resume_dir)  # (mined on a fresh start, read back from the run folder on resume)
+    # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -------
+    embedder = head.embedder(encoder, settings, args.pad_to_multiple_of)
+    model, eval_model = dist.wrap(embedder, encoder, ctx, source=source,
+                                  mp_policy=precision.mp_policy(compute_dtype),
+                                  **cli.wrap_settings(args))
 
-    # ----- optimizer, schedule; resume, part 2: optimizer -> scheduler -> loop state ------------
+    def search_pool(batch, k):  # the base's top k of the training pool, for --dev-neighbours
+        return evaluate.retrieve(eval_model, tokenizer, settings, batch, k, args.val_batch_size,
+                                 ctx.device)
+    if dev and args.dev_neighbours:  # mined on a fresh start, read back on resume
+        pool = records.passage_pool(files)
+        retrieval["dev"] = evaluate.add_neighbours(dev, pool, args.dev_neighbours, search_pool,
+                                                   args.output_dir, not resume_dir)
+
+    # ----- optimizer, schedule; resume, part 2: optimizer -> scheduler -> loop state ----------
     optimizer = optim.build_optimizer(optim.param_groups(encoder, args.weight_decay), args.lr,
                                       (args.adam_beta1, args.adam_beta2), args.adam_eps)
-    scheduler = optim.build_scheduler(optimizer, args.warmup_steps, args.max_steps, args.lr_schedule)
+    scheduler = optim.build_scheduler(optimizer, args.warmup_steps, args.max_steps,
+                                      args.lr_schedule)
     state = loop.LoopState(loss_avg=WindowedAverage(args.loss_avg_window))
-    ema = EMA(encoder, args.ema_decay) if args.ema_decay else None  # --ema-decay: an average of the trained weights
+    ema = EMA(encoder, args.ema_decay) if args.ema_decay else None  # --ema-decay
     if resume_dir:
-        state.load(ckpt.load_training_state(resume_dir, optimizer, scheduler, ctx.rank, wrapped=model, ema=ema))
+        state.load(ckpt.load_training_state(resume_dir, optimizer, scheduler, ctx.rank,
+                                            wrapped=model, ema=ema))
     start_step = state.step
 
-    # ----- batches, built ahead; the step, decided once -----------------------------------------
-    collate = functools.partial(  # under FSDP2 each chunk's forward is a collective: as many chunks on every rank
+    # ----- batches, built ahead; the step, decided once ---------------------------------------
+    collate = functools.partial(  # under FSDP2 every rank runs as many chunks (each a collective)
         biencoder_inputs, tokenizer=tokenizer, query_max_length=settings["query_max_length"],
         passage_max_length=settings["passage_max_length"], query_prefix=settings["query_prefix"],
         passage_prefix=settings["passage_prefix"], pad_to_multiple_of=args.pad_to_multiple_of,
-        chunk_tokens=args.chunk_tokens, same_chunk_count=args.parallel == "fsdp2", sides=head.sides(tokenizer, settings))
-    dataset = data.StepBatches(files, args.n_passages, args.batch_size, ctx.rank, ctx.world_size, args.seed,
-                               [functools.partial(collate, **f.prompts) for f in files],  # a file's own prompts
+        chunk_tokens=args.chunk_tokens, same_chunk_count=args.parallel == "fsdp2",
+        sides=head.sides(tokenizer, settings))
+    dataset = data.StepBatches(files, args.n_passages, args.batch_size, ctx.rank, ctx.world_size,
+                               args.seed, [functools.partial(collate, **f.prompts) for f in files],
                                scores=args.distill_weight > 0)  # teacher scores ride with the batch
-    batches = loop.step_batches(dataset, start_step, args.max_steps, args.grad_accum_steps, args.num_workers, ctx.device)
+    batches = loop.step_batches(dataset, start_step, args.max_steps, args.grad_accum_steps,
+                                args.num_workers, ctx.device)
+    contrastive = matryoshka(contrastive_loss, *dims, settings["normalize"]) if dims[0] else \
+        contrastive_loss
+    per_rank = 1.0 / (ctx.world_size * args.grad_accum_steps)  # the regularizer's count scale
     loss_fn = functools.partial(  # the head's scores; its regularizer (sparse: FLOPS) or None
-        biencoder_loss, n_passages=args.n_passages, temperature=args.temperature, in_batch=args.in_batch_negatives,
-        scores=head.scores, **dist.negative_gathers(gather, ctx.rank * args.batch_size * args.n_passages),
-        contrastive=matryoshka(contrastive_loss, *dims, settings["normalize"]) if dims[0] else contrastive_loss,
-        mask_duplicates=args.mask_duplicates, distill_weight=args.distill_weight, teacher_temperature=args.teacher_temperature,
-        regularizer=head.regularizer(vars(args), state, 1.0 / (ctx.world_size * args.grad_accum_steps), args.max_steps))
-    fwd_bwd = loop.step_fn(args.grad_cache, loss_fn, args.grad_accum_steps, (ctx.device.type, autocast_dtype))
-    val_score = functools.partial(loop.biencoder_group_scores, collate=collate, temperature=args.temperature, device=ctx.device,
-                                  autocast_dtype=autocast_dtype, mask_duplicates=args.mask_duplicates, scores=head.scores)
+        biencoder_loss, n_passages=args.n_passages, temperature=args.temperature,
+        in_batch=args.in_batch_negatives, scores=head.scores, contrastive=contrastive,
+        **dist.negative_gathers(gather, ctx.rank * args.batch_size * args.n_passages),
+        mask_duplicates=args.mask_duplicates, distill_weight=args.distill_weight,
+        teacher_temperature=args.teacher_temperature,
+        regularizer=head.regularizer(vars(args), state, per_rank, args.max_steps))
+    fwd_bwd = loop.step_fn(args.grad_cache, loss_fn, args.grad_accum_steps,
+                           (ctx.device.type, autocast_dtype))
+    val_score = functools.partial(
+        loop.biencoder_group_scores, collate=collate, temperature=args.temperature,
+        device=ctx.device, autocast_dtype=autocast_dtype, mask_duplicates=args.mask_duplicates,
+        scores=head.scores)
 
     # ----- logging -------------------------------------------------------------------------------
+    header = dict(  # what the run header records beyond the args
+        model_dir=model_dir, storage_dtype=str(storage_dtype), settings=settings,
+        gather_negatives=gather, n_train=sum(len(f.records) for f in files), n_val=len(val_records),
+        train_files=args.train_mixture, steps_per_epoch=dataset.steps_per_epoch,
+        num_workers=args.num_workers, flops_per_token=log.flops_per_token(encoder),
+        memory_plan=plan.memory_plan(encoder, ctx.world_size, args.parallel, ema), lora=lora_info,
+        summary=describe_run(ctx, files, val_records, args, storage_dtype, compute_dtype, encoder))
     logger = log.start(vars(args), ctx, args.output_dir, args.max_steps, start_step, args.log_every,
-                       ("loss", "loss_avg_window", "lr", "samples_per_s"), model_dir=model_dir,
-                       storage_dtype=str(storage_dtype), settings=settings, gather_negatives=gather,
-                       n_train=sum(len(f.records) for f in files), n_val=len(val_records),
-                       train_files=args.train_mixture, steps_per_epoch=dataset.steps_per_epoch,
-                       num_workers=args.num_workers, flops_per_token=log.flops_per_token(encoder),
-                       memory_plan=plan.memory_plan(encoder, ctx.world_size, args.parallel, ema), lora=lora_info,
-                       summary=describe_run(ctx, files, val_records, args, storage_dtype, compute_dtype, encoder))
+                       ("loss", "loss_avg_window", "lr", "samples_per_s"), **header)
 
     # ----- loop ----------------------------------------------------------------------------------
     stop = ckpt.StopSignal()  # SIGTERM / SIGINT: finish the step, checkpoint, exit 0
-    model.train()  # from_pretrained returns eval mode (no dropout); validation switches back and forth
+    model.train()  # from_pretrained returns eval mode; validation switches back and forth
     while True:
         step, last_step = state.step, state.step >= args.max_steps
-        if not state.stopping and loop.eval_due(step, start_step, args.val_every, last_step):  # (a SIGTERM: left)
-            for prefix, metrics in loop.until_stopped(state, validation, eval_model, val_records, retrieval, val_score,
-                                                      tokenizer, settings, dims[0], ctx, args, ema).items():
-                logger.log_eval(step, metrics, prefix, f"{args.eval_beir} {prefix}" if prefix.startswith("beir") else prefix)
-        best_now = state.observe(args.select_best, logger.last, step)  # --select-best: checkpoint a new best
+        if not state.stopping and loop.eval_due(step, start_step, args.val_every, last_step):
+            for prefix, metrics in loop.until_stopped(
+                    state, validation, eval_model, val_records, retrieval, val_score, tokenizer,
+                    settings, dims[0], ctx, args, ema).items():  # (a SIGTERM: left for the resume)
+                where = f"{args.eval_beir} {prefix}" if prefix.startswith("beir") else prefix
+                logger.log_eval(step, metrics, prefix, where)
+        best_now = state.observe(args.select_best, logger.last, step)  # --select-best: a new best
         if loop.ckpt_due(step, start_step, args.ckpt_every, last_step, state.stopping) or best_now:
-            ckpt.save_checkpoint(args.output_dir, step, encoder, optimizer, scheduler,
-                                 state.state_dict(dataset.steps_per_epoch, args.grad_accum_steps), vars(args),
-                                 wrapped=model, keep_last=args.keep_last, sharded_model=args.sharded_checkpoints, ema=ema)
+            ckpt.save_checkpoint(
+                args.output_dir, step, encoder, optimizer, scheduler,
+                state.state_dict(dataset.steps_per_epoch, args.grad_accum_steps), vars(args),
+                wrapped=model, keep_last=args.keep_last, sharded_model=args.sharded_checkpoints,
+                ema=ema)
         if last_step or state.stopping:
             break
 
@@ -154,24 +180,32 @@ def main():
         for micro in range(args.grad_accum_steps):
             inputs = loop.to_device(next(batches), ctx.device)  # {"q": Chunked, "p": Chunked}
             sums.add(inputs, *fwd_bwd(model, inputs, sync=micro == args.grad_accum_steps - 1))
-        scalars = loop.finish_step(model, optimizer, scheduler, state, sums, stop.requested, args.max_grad_norm,
-                                   args.max_bad_steps, ema)  # clip -> step or skip -> EMA -> reduce -> stop flag
-        logger.log_step(state.step, {**scalars, **dataset.drawn(state.step * args.grad_accum_steps)})
+        scalars = loop.finish_step(  # clip -> step or skip -> EMA -> reduce -> stop flag
+            model, optimizer, scheduler, state, sums, stop.requested, args.max_grad_norm,
+            args.max_bad_steps, ema)
+        drawn = dataset.drawn(state.step * args.grad_accum_steps)  # each training file's share
+        logger.log_step(state.step, {**scalars, **drawn})
 
     if state.stopping:
         return loop.stop_early(logger, stop, state.step, args.output_dir)
 
-    # ----- export (a SIGTERM from here on exits 0 at once: the last step is saved; --resume auto exports again) -
-    selected = loop.final_weights(encoder, args.output_dir, state, model, args.export_ema and ema, args.guard_margin)
-    final = export_model(os.path.join(args.output_dir, "final"), encoder, tokenizer,
-                         {"kind": "biencoder", **settings, "temperature": args.temperature, "matryoshka_dims": dims[0],
-                          "train_files": args.train_mixture, "selected": selected},  # each file's own prompts among them
-                         card=model_card("biencoder", model_dir, args.train_mixture, state.step,
-                                         cli.loss_summary(args, gather, dims[0]), logger.last))
-    if args.merge_alphas:  # --merge-alphas: final/ becomes its merge with the base, the alpha chosen on dev/*
-        merge.dev_merge(final, model_dir, args.merge_alphas, args.merge_tolerance, lambda m, t, s, pq: validation(
-            head.embedder(m, s).eval(), [], retrieval, None, t, s, (), ctx, args, per_query=pq), ctx.device,
-            args.guard_margin)
+    # ----- export (a SIGTERM from here on exits 0 at once; --resume auto exports again) ---------
+    selected = loop.final_weights(encoder, args.output_dir, state, model,
+                                  args.export_ema and ema, args.guard_margin)
+    record = {"kind": "biencoder", **settings, "temperature": args.temperature,
+              "matryoshka_dims": dims[0], "train_files": args.train_mixture,  # each file's prompts
+              "selected": selected}
+    card = model_card("biencoder", model_dir, args.train_mixture, state.step,
+                      cli.loss_summary(args, gather, dims[0]), logger.last)
+    final = export_model(os.path.join(args.output_dir, "final"), encoder, tokenizer, record,
+                         card=card)
+
+    def score_merge(m, t, s, per_query):  # a merge candidate on the retrieval sets (dev/*, guard_*)
+        return validation(head.embedder(m, s).eval(), [], retrieval, None, t, s, (), ctx, args,
+                          per_query=per_query)
+    if args.merge_alphas:  # --merge-alphas: final/ becomes its merge with the base, chosen on dev/*
+        merge.dev_merge(final, model_dir, args.merge_alphas, args.merge_tolerance, score_merge,
+                        ctx.device, args.guard_margin)
     loop.end_run(logger, f"exported the bi-encoder to {final}")
 
 
