@@ -190,7 +190,7 @@ def test_score_file_killed_and_resumed_or_on_two_ranks_equals_one_written_in_one
     assert again.returncode == 0 and "do not match their checksums" in o + e, e[-3000:]
     assert out.read_bytes() == one_go.read_bytes() and not parts.exists()
     # a file-size limit while the blocks are joined: one sentence, the blocks kept; then the same command ends it
-    from tests.test_runs import small_disk
+    from tests.errors.test_runs import small_disk
 
     limited = tmp / "limited.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=ROOT)

@@ -5,7 +5,7 @@ is mutated (a wrong type, a wrong value, missing), and whole files are broken, e
 removed, and the heads' weight files removed, cut short or replaced by another shape. Each mutated dir
 is loaded as the tools load it (evaluate.load_biencoder / export.load_exported_reranker) and two texts
 are encoded or scored: the outcome is a correct load or one sentence naming the dir (SystemExit, no
-traceback). The suite runs every 8th mutation (quick tier); `python tests/test_dir_fuzz.py` runs all."""
+traceback). The suite runs every 8th mutation (quick tier); `python tests/errors/test_dir_fuzz.py` runs all."""
 
 import copy
 import json
@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # run as a script
 from tests.conftest import ROOT  # noqa: E402
 
 VALUES = [None, "abc", -1, 0, [], {"a": 1}, True, 1e9, [None, 3]]  # each field gets these, and is removed
@@ -209,7 +209,7 @@ def run_fuzz(dirs, layout, tmp_path, every):
     return len(todo), seen
 
 
-SAMPLE = 8  # the suite runs every 8th mutation (244 of 1,952, ~15 s); `python tests/test_dir_fuzz.py` runs them all
+SAMPLE = 8  # the suite runs every 8th mutation (244 of 1,952, ~15 s); `python tests/errors/test_dir_fuzz.py` runs them all
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

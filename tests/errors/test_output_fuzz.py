@@ -12,7 +12,7 @@ import pytest
 
 from retrieval_kit import cli, evaluate, mine, score
 from scripts import build_smollm2
-from tests.test_outputs import digest_tree
+from tests.errors.test_outputs import digest_tree
 
 
 @pytest.fixture
