@@ -10,7 +10,8 @@ data/eval and data/ood (nDCG@10). Every candidate comes from the run's own files
 The run (2 ranks, the README's command 1 otherwise): --dev-queries 200 held out of training (a 2,000-passage
 dev corpus), validated every --val-every steps (dev/ndcg@10 of the weights and of the EMA), a checkpoint
 every --ckpt-every steps (all kept), --ema-decay, and --merge-alphas 0.2,0.4,0.6,0.8,1.0: the run's final/ is
-the dev-chosen merge (issue 62's rule: a paired test on dev, data/ood as the guard: --guard none drops it).
+the dev-chosen merge (issue 62's rule, choice.py: a paired test and bound on dev, data/ood as the guard:
+--guard none drops it).
 "best dev" is the validated step with the best dev/ndcg@10; "soup" the mean of the last three checkpoints.
 data/eval only reports; with the guard, data/ood also chooses (it is then no held-out measure of forgetting).
 
