@@ -288,3 +288,33 @@ def test_select_best_on_dev_follows_the_rule_over_every_validated_step(tiny_mode
     else:
         assert selected["step"] == min(r["name"] for r in held if r["p_worse_than_best"] >= 0.05
                                        and r["deficit_bound"] <= 0.005)
+
+
+@pytest.mark.slow
+def test_a_run_with_the_mined_dev_set_killed_and_resumed_is_bitwise_an_uninterrupted_one(tiny_model_dir,
+                                                                                         small_train_file, tmp_path):
+    """--dev-queries with --dev-neighbours (issue 62): the neighbours are mined once, at the fresh start, and read
+    back on resume, so a SIGKILL after step 2's checkpoint and --resume auto give the uninterrupted run's weights,
+    losses and every dev number (nDCG@10 and its standard error) bitwise."""
+    import signal
+
+    from tests.conftest import read_jsonl, run_script
+    from tests.test_ckpt import assert_same_run, bi_args, kill_after_checkpoint, launch
+
+    extra = ("--dev-queries", 8, "--dev-corpus-size", 30, "--dev-neighbours", 3, "--val-every", 2)
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    run_script("train_biencoder.py", bi_args(tiny_model_dir, small_train_file, ref, *extra, "--max-steps", 6))
+    proc = launch("train_biencoder.py", bi_args(tiny_model_dir, small_train_file, run, *extra, "--max-steps",
+                                                100000))  # (a constant LR: the same path as 6 steps)
+    rc, _, _ = kill_after_checkpoint(proc, run / "step_000002", signal.SIGKILL)
+    assert rc == -signal.SIGKILL and not (run / "final").exists()
+    run_script("train_biencoder.py", bi_args(tiny_model_dir, small_train_file, run, *extra, "--max-steps", 6,
+                                             "--resume", "auto"))
+    assert_same_run(ref, run)
+    assert (run / "dev_neighbours.json").read_bytes() == (ref / "dev_neighbours.json").read_bytes()
+
+    def dev(folder):
+        return {r["step"]: (r["ndcg@10"], r["ndcg@10_se"]) for r in read_jsonl(folder / "metrics.jsonl")
+                if r["split"] == "dev"}
+    want, got = dev(ref), dev(run)
+    assert sorted(want) == [0, 2, 4, 6] and got == want
