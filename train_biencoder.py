@@ -73,8 +73,8 @@ def main():
     storage_dtype, compute_dtype, autocast_dtype = cli.precision_dtypes(args)  # precision.resolve
     model_dir = args.model or default_model_dir()
     spec = heads.read_spec(model_dir)  # what the dir holds, validated as a whole
-    settings = heads.biencoder_settings(spec, cli.setting_overrides(args), training=True)
-    head = cli.head_flags(args, settings["head"], spec=spec)  # another head's flag: one sentence
+    head, settings = heads.choose(spec, cli.setting_overrides(args), training=True)  # the kind
+    cli.head_flags(args, head.NAME, spec=spec)  # its flags' defaults; another head's: one sentence
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code, spec.prepare_tokenizer)
     load = functools.partial(head.load, model_dir, storage_dtype, spec=spec, seed=args.seed,
                              **cli.load_settings(args), **cli.head_load_settings(args, head))

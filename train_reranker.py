@@ -109,8 +109,8 @@ def main():
     # ----- model in the storage dtype, how pairs become tokens; resume, part 1: weights -> cast ---
     storage_dtype, compute_dtype, autocast_dtype = cli.precision_dtypes(args)  # precision.resolve
     model_dir = args.model or default_model_dir()
-    head = heads.get(args.head)  # heads/classifier.py (one logit), heads/lm.py (yes - no)
-    heads.check_dir(heads.read_spec(model_dir), head.NAME)  # a dir of another kind: one sentence
+    spec = heads.read_spec(model_dir)  # the kind, once: classifier (one logit), lm (yes - no)
+    head, _ = heads.choose(spec, {"head": args.head}, "reranker")  # another kind: one sentence
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code)
     tokenizer = set_padding_side(tokenizer, args.padding_side, head)
     load = functools.partial(head.load, model_dir, storage_dtype, **cli.load_settings(args))

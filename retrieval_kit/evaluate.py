@@ -62,8 +62,7 @@ def load_biencoder(model_dir, flags=None, dtype=torch.float32, trust_remote_code
     (head.embedder: `model(q=batch)` / `model(p=batch)`), in eval mode, the forward under autocast to
     `compute_dtype` (None: none); its settings as heads.biencoder_settings resolves them from `flags`."""
     spec = heads.read_spec(model_dir)
-    settings = heads.biencoder_settings(spec, flags or {})
-    head = heads.get(settings["head"])
+    head, settings = heads.choose(spec, flags or {})
     tokenizer = load_tokenizer(model_dir, trust_remote_code, spec.prepare_tokenizer)
     model = head.load(model_dir, dtype, spec=spec, trust_remote_code=trust_remote_code).to(device)
     precision.autocast_forward(model, torch.device(device).type, compute_dtype)

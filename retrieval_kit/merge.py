@@ -154,8 +154,7 @@ def load(path, own=None, seed=0, like=None):
             model, tok, settings = load_exported_reranker(path)
             return model.model, tok, settings, heads.get(name)
         return heads.get(name).load(path), load_tokenizer(path), {}, heads.get(name)
-    settings = heads.biencoder_settings(spec, {"head": name})
-    head = heads.get(name)
+    head, settings = heads.choose(spec, {"head": name})
     model = head.load(path, spec=spec, seed=seed, **heads.load_args(head, {**settings, **(own or {})}))
     return model, load_tokenizer(path, prepare=spec.prepare_tokenizer), {**spec.kit, **settings}, head
 

@@ -176,6 +176,20 @@ def biencoder_settings(spec, flags, training=False):
     return settings
 
 
+def choose(spec, flags, group="embedding", training=False):
+    """The kind a run or tool takes, chosen once: (its module, its settings), `group` a key of KINDS. An
+    embedding model's settings resolve as biencoder_settings says (flags, the export, the dir's files, the
+    defaults; --head or the dir's head); a reranker's head is `flags["head"]`, else the dir's, else the
+    group's default, and its settings are what the dir's retrieval_kit.json holds. A dir of another kind is
+    one sentence (check_dir)."""
+    if group == "embedding":
+        settings = biencoder_settings(spec, flags, training)
+        return get(settings["head"]), settings
+    name = flags.get("head") or (spec.head if spec.head in RERANKER else None) or RERANKER[0]
+    check_dir(spec, name)
+    return get(name), dict(spec.kit)
+
+
 def family(name):
     """The heads of the same family as `name` (EMBEDDING or RERANKER): the ones a run could have chosen instead."""
     return EMBEDDING if name in EMBEDDING else RERANKER
