@@ -18,8 +18,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from retrieval_kit.collate import QWEN3_INSTRUCTION, collate_rerank
-from retrieval_kit.pairs import DEFAULT_TEMPLATE, TEMPLATE_PRESETS, encode_pair
+from retrieval_kit.collate import collate_rerank
+from retrieval_kit.pairs import DEFAULT_TEMPLATE, QWEN3_INSTRUCTION, TEMPLATE_PRESETS, encode_pair
 from tests.conftest import reference_pair_ids, run_script
 
 # Qwen3-Reranker's model card: the system prompt and the user turn's start, then the body, then the end of the
@@ -98,9 +98,9 @@ def test_the_default_template_is_the_string_tokenized_as_one(smol_tok, tokenizer
 
 
 def test_a_query_longer_than_the_pair_is_cut_with_one_warning(smol_tok, capfd):
-    from retrieval_kit import collate
+    from retrieval_kit import pairs
 
-    collate._warned.discard("query")
+    pairs._warned.discard("query")
     long_q = "which python package manager installs wheels " * 12
     batch = collate_rerank(smol_tok, [long_q, long_q], [["pip"], ["conda"]], TEMPLATE_PRESETS["qwen3"], max_length=120)
     tail = smol_tok.encode(QWEN3_SUFFIX, add_special_tokens=False)

@@ -97,11 +97,18 @@ DEFAULTS = {  # what a head leaves out reads as this: the defaults of the interf
     "token_ids": lambda tokenizer, words: None,  # no vocabulary rows read
     "finish_export": lambda stage, settings, trust_remote_code, seq_cls: settings,  # nothing written afterwards
 }
-for _head in (m for family_ in KINDS.values() for m in family_):
-    for _name, _default in DEFAULTS.items():
-        if not hasattr(_head, _name):
-            setattr(_head, _name, _default)
-MODULES = {m.NAME: m for family_ in KINDS.values() for m in family_}
+MODULES = {m.NAME: m for group in KINDS.values() for m in group}
+
+
+def _fill_defaults(modules):
+    """Each of DEFAULTS that a head's module leaves out, set on it: callers read every name of the interface."""
+    for module in modules:
+        for name, value in DEFAULTS.items():
+            if not hasattr(module, name):
+                setattr(module, name, value)
+
+
+_fill_defaults(MODULES.values())
 EMBEDDING = tuple(m.NAME for m in KINDS["embedding"])
 RERANKER = tuple(m.NAME for m in KINDS["reranker"])
 READS = (multi_vector, sparse, single_vector)  # the order a dir is asked whose kind it holds (most specific first)
