@@ -68,8 +68,8 @@ def check_words(path, key, value):
     """A list of words (a skiplist): a string would be read letter by letter, numbers and null are not words."""
     if not isinstance(value, list) or not all(isinstance(w, str) and w for w in value):
         bad_field(path, key, value if not isinstance(value, str) else value[:40],
-             "a list of words (a string would be read letter by letter, as MultiVectorEncoder reads it)"
-             if isinstance(value, str) else "a list of non-empty strings")
+                  "a list of words (a string would be read letter by letter, as MultiVectorEncoder reads it)"
+                  if isinstance(value, str) else "a list of non-empty strings")
     return list(value)
 
 

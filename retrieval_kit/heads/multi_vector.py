@@ -468,7 +468,7 @@ def read_multi_vector(model_dir):
                 out[ours] = check_length(sbert_path, key, sbert[key])
         if expansion:
             out["query_max_length"] = check_length(sbert_path, "query_expansion.length", expansion.get("length"),
-                                              optional=False)
+                                                   optional=False)
     out.update(read_prompts(model_dir, prompts))
     return {**spec, "settings": out, "markers": markers}
 
