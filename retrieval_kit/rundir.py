@@ -279,8 +279,9 @@ def start_run(run_dir, resume, run_args, neutral=frozenset(), overwrite=False, a
     and a resume whose run-defining args (`run_args`, a dict; all but the `neutral` names) differ
     from the checkpoint's stops with the list (or goes on with `allow_changed`,
     --allow-changed-args). The run folder is never one of the run's `inputs` ([(flag, path)]: its model
-    dir, data files) nor inside an input folder, and --overwrite-output-dir deletes no input (outputs.check_inputs).
-    `fixed`: {arg: why} a resume cannot change even with --allow-changed-args, beyond FIXED. Returns the checkpoint folder or None; a refusal exits with its message."""
+    dir, data files) nor inside an input folder, and --overwrite-output-dir deletes no input
+    (outputs.check_inputs). `fixed`: {arg: why} a resume cannot change even with --allow-changed-args,
+    beyond FIXED. Returns the checkpoint folder or None; a refusal exits with its message."""
     decision = [_decide(run_dir, resume, overwrite, allow_changed, run_args, neutral, world_size(), inputs, fixed)
                 if rank() == 0 else None]
     if world_size() > 1:
