@@ -95,8 +95,9 @@ def choose_alpha(candidates, score, tolerance=None, base=None, guard_margin=None
     """Score each (alpha, state-loading function) of `candidates` - score(per_query) -> {split: metrics} once
     the state is loaded, filling `per_query` with {split: {qid: metrics}} - and choose an alpha. By default
     the rule above (choose) over the dev queries: the closest to the base (the smallest alpha) that dev
-    shows within MARGIN of the best, else the best; with guard splits (--guard-beir), none that loses more than `guard_margin` of alpha 0's guard score (`base`: the
-    loading function of alpha 0, scored for it when no candidate is 0). With an explicit `tolerance`, the
+    shows within MARGIN of the best, else the best; with guard splits (--guard-beir), none that loses more
+    than `guard_margin` of alpha 0's guard score (`base`: the loading function of alpha 0, scored for it
+    when no candidate is 0). With an explicit `tolerance`, the
     smallest alpha within it of the best dev `metric`, as before. Returns (chosen alpha, rows: {"alpha",
     split: metrics, "choice": the rule's row})."""
     rows, per = [], []

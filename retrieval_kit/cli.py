@@ -273,8 +273,9 @@ def add_average_args(parser):
     flag(g, "--export-ema", action="store_true", neutral=True, help="export the average instead of the last weights")
     flag(g, "--merge-alphas", type=flags.listed(flags.fraction), default=None, neutral=True,
          help="after the export: each alpha's merge with the base model, (1 - alpha) x base + alpha x tuned, scored on "
-              "the dev split (--dev-queries) and the guard (--guard-beir); exported: the smallest alpha that the dev queries show "
-              "within 0.5 points of the best (a paired randomization test and a paired bootstrap bound), else the "
+              "the dev split (--dev-queries) and the guard (--guard-beir); exported: the smallest alpha that the "
+              "dev queries show within 0.5 points of the best (a paired randomization test and a paired bootstrap "
+              "bound), else the "
               "best (none that loses the guard while another holds it), every candidate's scores, standard errors, "
               "p-values and bounds recorded (--eval-beir sets reported, never used to choose); e.g. "
               "0.2,0.4,0.6,0.8,1.0 (python -m retrieval_kit.merge does the same for any exports; default off)")
