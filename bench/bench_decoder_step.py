@@ -45,7 +45,7 @@ from bench.bench_peer import matmul_peak  # noqa: E402
 from bench.bench_train_step import batches, current_rss_mb, peak_rss_mb, reset_peak_rss  # noqa: E402
 from retrieval_kit import dist, log, loop, lora, optim  # noqa: E402
 from retrieval_kit.collate import rerank_inputs  # noqa: E402
-from retrieval_kit.pairs import TEMPLATE_PRESETS, pair_layout
+from retrieval_kit.pairs import TEMPLATE_PRESETS, pair_layout  # noqa: E402
 from retrieval_kit.export import reranker_chat_template  # noqa: E402
 from retrieval_kit.hostmem import keep_freed_memory  # noqa: E402
 from retrieval_kit.losses import RERANK_LOSSES, reranker_loss  # noqa: E402

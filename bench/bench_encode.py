@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 from bench.bench_peer import matmul_peak, useful_flops  # noqa: E402
 from retrieval_kit import precision  # noqa: E402
 from retrieval_kit.collate import collate_rerank  # noqa: E402
-from retrieval_kit.pairs import PAIR, pair_layout
+from retrieval_kit.pairs import PAIR, pair_layout  # noqa: E402
 from retrieval_kit.encode import encode_texts, score_pairs  # noqa: E402
 from retrieval_kit.export import export_reranker, load_exported_reranker  # noqa: E402
 from retrieval_kit.heads.classifier import load as load_reranker  # noqa: E402

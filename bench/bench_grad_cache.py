@@ -27,7 +27,7 @@ from retrieval_kit import data, dist, loop, optim  # noqa: E402
 from retrieval_kit.records import read_records  # noqa: E402
 from retrieval_kit.chunking import chunk_batch  # noqa: E402
 from retrieval_kit.collate import collate_biencoder, collate_rerank  # noqa: E402
-from retrieval_kit.pairs import DEFAULT_TEMPLATE
+from retrieval_kit.pairs import DEFAULT_TEMPLATE  # noqa: E402
 from retrieval_kit.losses import contrastive_loss, listwise_loss  # noqa: E402
 from retrieval_kit.heads.classifier import Classifier, load as load_reranker  # noqa: E402
 from retrieval_kit.heads.single_vector import BiEncoder  # noqa: E402

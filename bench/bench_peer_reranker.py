@@ -33,7 +33,7 @@ from bench.bench_peer import add_kit_args, compare, kit_settings, set_st_attenti
 from bench.bench_train_step import batches  # noqa: E402
 from retrieval_kit import dist, loop, optim  # noqa: E402
 from retrieval_kit.collate import rerank_inputs  # noqa: E402
-from retrieval_kit.pairs import pair_layout
+from retrieval_kit.pairs import pair_layout  # noqa: E402
 from retrieval_kit.losses import RERANK_LOSSES, reranker_loss  # noqa: E402
 from retrieval_kit.heads.classifier import Classifier, load as load_reranker  # noqa: E402
 from retrieval_kit.models import default_model_dir  # noqa: E402

@@ -83,7 +83,8 @@ def make_kit(model_dir, args, ctx):
     multi = getattr(args, "multi_vector", False)  # --head multi-vector: a 128-dim token projection, MaxSim
     head = multi_vector if multi else single_vector
     if multi:
-        enc = multi_vector.load(model_dir, multi_vector_dim=128, seed=0, attention_dropout=getattr(args, "attention_dropout", None),
+        enc = multi_vector.load(model_dir, multi_vector_dim=128, seed=0,
+                                attention_dropout=getattr(args, "attention_dropout", None),
                                 fast_dropout=getattr(args, "fast_dropout", False)).train()
     net = head.embedder(enc, {"pooling": "avg", "normalize": True, "query_max_length": args.query_max_length,
                               "passage_max_length": args.passage_max_length})
