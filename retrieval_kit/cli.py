@@ -18,7 +18,6 @@ unless the script adds its name to the `neutral` set it passes to rundir.start_r
 import argparse
 import functools
 import os
-import string
 
 from . import flags, heads
 from .records import DataSpec
@@ -175,9 +174,9 @@ def setting_overrides(args):
     from .st_format import SETTING_KEYS
 
     out = {k: getattr(args, k, None) for k in SETTING_KEYS + ("matryoshka_dims",)}
-    for key, flag_name, values in (("query_expansion", "query_expansion", QUERY_EXPANSION),
-                                   ("skiplist_words", "skiplist", SKIPLISTS)):  # --head multi-vector's
-        given = getattr(args, flag_name, None)
+    for dest, f in ((d, f) for name in heads.EMBEDDING for d, f in heads.get(name).FLAGS.items() if f.setting):
+        key, values = f.setting  # (multi-vector's --query-expansion / --skiplist: its tokenization settings)
+        given = getattr(args, dest, None)
         out[key] = None if given is None else values[given]
     return out
 
@@ -204,21 +203,12 @@ def add_biencoder_loss_args(g):
          help="leave a query's own positive out of its negatives wherever the same text appears again in "
               "the batch (another query's positive or hard negative, gathered ranks included); the count "
               "is logged as duplicates_masked (default on)")
-    flag(g, "--matryoshka-dims", type=flags.listed(flags.positive_int), default=None,
-         help="Matryoshka embeddings: the loss is the weighted sum of InfoNCE on each of these prefixes of "
-              "the embedding, e.g. 384,256,128,64 (re-normalized when --normalize); --eval-beir reports "
-              "each; the export lists them (default off)")
-    flag(g, "--matryoshka-weights", type=flags.listed(flags.positive_float), default=None,
-         help="one weight per --matryoshka-dims value (default 1 each)")
 
 
 def add_reranker_loss_args(g, losses):
     flag(g, "--loss", choices=tuple(losses), default="listwise",
          help="listwise = cross-entropy over each query's group, positive first; bce = pointwise binary "
               "cross-entropy, positive 1 / negatives 0 (default listwise)")
-    flag(g, "--head-lr-mult", type=flags.positive_float, default=None,
-         help="--head classifier: learning rate of the fresh head (classifier, and BERT's pooler) = --lr x this "
-              "(default 1)")
     add_distill_args(g)
 
 
@@ -532,9 +522,16 @@ def resume_request(args):
 
 # ----- the parsers, and what is decided from several flags ---------------------------------------
 
-# --query-expansion / --skiplist -> the settings' query_expansion / skiplist_words (heads/multi_vector.maxsim_sides)
-QUERY_EXPANSION = {"off": False, "on": {"attend": False, "token": None}, "attend": {"attend": True, "token": None}}
-SKIPLISTS = {"none": [], "punctuation": list(string.punctuation)}
+def add_head_args(groups, names, only=None):
+    """The flags the heads `names` declare (each module's FLAGS, heads/<kind>.py; `only`: those of these
+    dests), each in its group of `groups` ({"model": ..., "loss": ...}), left None when not given:
+    cli.head_flags gives the chosen head's its defaults and refuses another head's."""
+    for name in names:
+        for dest, f in heads.get(name).FLAGS.items():
+            if f.name and (only is None or dest in only):
+                switch = f.argparse.get("action") == "store_true"
+                flag(groups[f.group], f.name, dest=dest, default=False if switch else None, neutral=f.neutral,
+                     **f.argparse)
 
 
 def biencoder_parser(description=None):
@@ -558,32 +555,9 @@ def biencoder_parser(description=None):
               "the model's MLM / LM head, max over the tokens, scored by the dot product, with the FLOPS regularizer "
               "(--flops-weights); exported as a SparseEncoder dir (default: the model dir's kind - "
               "MultiVectorEncoder, SparseEncoder - else single-vector)")
-    flag(g, "--multi-vector-dim", type=flags.positive_int, default=None,
-         help="--head multi-vector: the size of each token's vector (default 128, as sentence-transformers' "
-              "MultiVectorEncoder; a MultiVectorEncoder dir's own projection keeps its size)")
-    flag(g, "--query-expansion", choices=tuple(QUERY_EXPANSION), default=None,
-         help="--head multi-vector: ColBERT's query expansion. on = every query padded to --query-max-length with "
-              "the [MASK] token (the tokenizer's mask token, else its EOS), which MaxSim scores and the encoder does "
-              "not attend to; attend = the encoder attends to them too (PyLate's attend_to_expansion_tokens); off = "
-              "none (default: the model dir's - a PyLate or Stanford ColBERT dir expands - else off, as "
-              "sentence-transformers' MultiVectorEncoder)")
-    flag(g, "--skiplist", choices=tuple(SKIPLISTS), default=None,
-         help="--head multi-vector: passage tokens MaxSim does not score. punctuation = each character of Python's "
-              "string.punctuation that is one token (ColBERT's and PyLate's default) (default: the model dir's, else "
-              "none, as sentence-transformers' MultiVectorEncoder)")
     loss = p.add_argument_group("loss")
     add_biencoder_loss_args(loss)
-    flag(loss, "--flops-weights", type=flags.listed(flags.nonneg_float), default=None,
-         help="--head sparse: the FLOPS regularizer's weights for queries and documents (default 5e-5,3e-5, "
-              "sentence-transformers' SpladeLoss example)")
-    flag(loss, "--flops-warmup-steps", type=flags.nonneg_int, default=None,
-         help="--head sparse: the FLOPS weights rise quadratically from 0 over these optimizer steps (default a "
-              "third of --max-steps, as sentence-transformers' SpladeRegularizerWeightSchedulerCallback)")
-    flag(g, "--lexical-head-bias", type=flags.any_float, default=None,
-         help="--head sparse, a model dir without a trained MLM head (all-MiniLM-L6-v2): start the fresh head as a "
-              "lexical map - its transform the identity, its norm 1 / 0 - with every vocabulary logit shifted by this "
-              "bias, so a text starts as its own words and their neighbours in the vocabulary (-4 on MiniLM: 0.79 "
-              "nDCG@10 untrained, docs/pipeline.md) (default: transformers' random init)")
+    add_head_args({"model": g, "loss": loss}, heads.EMBEDDING)
     add_optim_args(p, lr=5e-5, max_steps=60, warmup_steps=6)
     add_precision_args(p)
     add_lora_args(p)
@@ -613,22 +587,14 @@ def reranker_parser(description=None):
          help="pad side for pairs (default auto = the tokenizer's own)")
     g = p.add_argument_group("model")
     add_model_args(g)
-    flag(g, "--pooling", choices=("native", "last", "avg", "cls"), default=None,
-         help="--head classifier: native = the model's own classification head (BERT: pooler -> classifier; "
-              "decoders: last non-pad token), what transformers and sentence-transformers run; last/avg/cls pool "
-              "hidden states by the attention mask, then the linear head (kit-only; default native)")
     flag(g, "--bidirectional", action="store_true", help="drop a decoder's causal mask (attend both ways)")
     flag(g, "--head", choices=heads.RERANKER, default="classifier",
          help="classifier = a one-logit sequence-classification head (default); lm = a causal LM scored by its "
               "own LM head, logit(true word) - logit(false word) after the pair's last token (LLM rerankers: "
               "Qwen3-Reranker, FlagEmbedding's LLM rerankers); left padding")
-    flag(g, "--lm-tokens", type=flags.listed(str), default=None,
-         help="--head lm: the true and false words, one token each (default yes,no)")
-    flag(g, "--export-seq-cls", action="store_true", neutral=True,
-         help="--head lm: also write final/seq_cls/, a *ForSequenceClassification dir whose one logit is "
-              "logit(true) - logit(false) (the score row = the difference of the two LM-head rows), which "
-              "AutoModelForSequenceClassification, CrossEncoder and seq-cls servers read")
-    add_reranker_loss_args(p.add_argument_group("loss"), RERANK_LOSSES)
+    loss = p.add_argument_group("loss")
+    add_reranker_loss_args(loss, RERANK_LOSSES)
+    add_head_args({"model": g, "loss": loss}, heads.RERANKER)
     add_optim_args(p, lr=2e-4, max_steps=60, warmup_steps=6)
     add_precision_args(p)
     add_lora_args(p, "; a fresh classifier head is trained in full")
@@ -775,10 +741,10 @@ def head_flags(args, head, whose="this run's", spec=None):
             raise SystemExit(f"--{dest.replace('_', '-')} {given}: {spec.path} is {spec.what()}, which fixes it at "
                              f"{value}; the flag cannot change it: drop it (or start from the plain backbone for another "
                              "size)")
-    own = {**module.FLAGS, **fixed}
+    own = {**{dest: f.default for dest, f in module.FLAGS.items()}, **fixed}
     for name in heads.MODULES:
         for dest in heads.get(name).FLAGS if name != head else ():
-            value, default = getattr(args, dest, None), heads.get(name).FLAGS[dest]
+            value, default = getattr(args, dest, None), heads.get(name).FLAGS[dest].default
             if dest not in own and value is not None and not (value is False and default is False):  # (a switch off)
                 takes = [n for n in heads.MODULES if dest in heads.get(n).FLAGS]  # (of this family, where one does)
                 takes = [n for n in takes if n in heads.family(head)] or takes

@@ -128,3 +128,16 @@ def model_path(text):
             raise argparse.ArgumentTypeError(f"{text} holds no config.json: not a Hugging Face model dir")
         return path
     return text
+
+
+class Flag:
+    """A flag a head declares in its module (heads/<kind>.py FLAGS = {dest: Flag(...)}), which cli.py adds
+    to the parser of the head's family and cli.head_flags checks: `default`, what it holds when the head
+    runs and it was not given; `name` and argparse's keywords (type, choices, action, help), or no name
+    for a flag every tool of the family declares (cli.py) that only this head takes; `group`, the parser's
+    group ("model" or "loss"); `neutral`, a resume may change it; `setting`, (settings key, {flag value:
+    setting value}) where it overrides a setting the model dir declares."""
+
+    def __init__(self, default=None, name=None, *, group="model", neutral=False, setting=None, **argparse_kw):
+        self.default, self.name, self.group, self.neutral, self.setting = default, name, group, neutral, setting
+        self.argparse = argparse_kw

@@ -76,12 +76,10 @@ def main(argv=None):
 
     ap = cli.KitParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, type=flags.model_path, help="model dir (or a dir holding only its config.json)")
-    ap.add_argument("--head", choices=tuple(heads.MODULES), default=heads.EMBEDDING[0],
-                    help="what is trained, as the scripts' --head: the encoder (single-vector), the encoder with a "
-                         "multi-vector token projection, the model with its vocabulary head (sparse), a one-logit "
-                         "classifier, or a causal LM scored by its LM head (lm) (default single-vector)")
-    ap.add_argument("--multi-vector-dim", type=flags.positive_int, default=None,
-                    help="--head multi-vector: each token's vector size (default 128)")
+    ap.add_argument("--head", choices=tuple(heads.MODULES), default=None,
+                    help="what is trained, as the scripts' --head (default: the model dir's kind, else "
+                         f"{heads.EMBEDDING[0]})")
+    cli.add_head_args({"model": ap, "loss": ap}, heads.MODULES, only=heads.LOAD_FLAGS)  # e.g. a projection's width
     ap.add_argument("--world-size", type=flags.positive_int, default=1, help="ranks (default 1)")
     ap.add_argument("--parallel", choices=("ddp", "fsdp2"), default="ddp", help="default ddp")
     ap.add_argument("--torch-dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
@@ -95,8 +93,8 @@ def main(argv=None):
         g.add_argument(name, type=action.type, default=action.default, help=action.help)
     a = ap.parse_args(argv)
     spec = heads.read_spec(a.model)
-    cli.head_flags(a, a.head, "the plan's", spec)  # --multi-vector-dim with another head, or the dir's other: one sentence
-    head = heads.get(a.head)
+    head, _ = heads.choose(spec, {"head": a.head}, heads.group_of(a.head or spec.head))
+    cli.head_flags(a, head.NAME, "the plan's", spec)  # a flag of another head, or against the dir's: one sentence
     storage, _, _ = resolve(a.torch_dtype, a.force_fp32_params, "none", a.parallel, a.lora_rank > 0)
     model = head.load(a.model, storage, meta=True, spec=spec, **cli.head_load_settings(a, head))
     assumed = defaulted_shape(a.model, model.config)

@@ -254,3 +254,25 @@ def test_outside_heads_and_cli_nothing_branches_on_the_kind():
     probe = os.path.join(ROOT, "tests", "data", "kind_branch_probe.txt")  # the check can fail
     assert kind_comparisons(probe) == ["1: 'sparse'", "1: sparse", "2: q.dim() == 3", "3: p.is_sparse", "4: 'multi-vector'",
                                        "5: single_vector", "6: heads.lm"]
+
+
+def test_each_kinds_flags_are_declared_by_its_head_and_the_parsers_take_them_from_there():
+    """A flag whose help says it is for one head ("--head sparse: ...") is that head's: declared in its
+    module's FLAGS (heads/<kind>.py), not in cli.py, and in the parser exactly as the head declares it."""
+    from retrieval_kit import cli, heads
+
+    seen = 0
+    for parser in (cli.biencoder_parser(), cli.reranker_parser()):
+        for action in parser._actions:
+            said = (action.help or "").split(":")[0].split(",")[0]
+            if not said.startswith("--head "):
+                continue
+            names = said[len("--head "):].split(" or ")
+            owned = [n for n in names if action.dest in heads.get(n).FLAGS]
+            assert owned == names, f"{action.option_strings}: its help names {said!r}; FLAGS of {owned}"
+            declared = heads.get(names[0]).FLAGS[action.dest]
+            assert action.option_strings == [declared.name] and action.help == declared.argparse["help"]
+            seen += 1
+    assert seen >= 9  # (multi-vector 3, sparse 3, classifier 2, lm 2: none lost on the way)
+    with open(os.path.join(KIT, "cli.py")) as f:
+        assert '"--head ' not in f.read()  # (no head's flag help spelled in cli.py)

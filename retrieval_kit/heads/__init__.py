@@ -12,8 +12,9 @@ Embedding heads (train_biencoder.py; the step runs `head.embedder(...)`, scored 
     multi-vector    multi_vector    projected token vectors + mask (B, W, d+1)  bf16 (N, W, d+1), MaxSim
     sparse          sparse          log(1 + relu(vocabulary logits)), max (B, V) sparse COO (N, V) non-zeros
 
-  NAME, FLAGS       its name; {flag dest: default} of the flags only this head takes (cli.head_flags
-                    refuses another head's, fills in these defaults)
+  NAME, FLAGS       its name; {flag dest: flags.Flag} of the flags only this head takes: their default,
+                    name, type and help, whether a resume may change them (cli.add_head_args adds them to
+                    the parser; cli.head_flags refuses another head's, fills in these defaults)
   SETTINGS          {setting: default} it keeps beyond st_format.SETTING_KEYS (multi-vector: its tokenization)
   TEMPERATURE       the InfoNCE temperature it trains at by default
   load(path, dtype, *, spec, meta, dim, seed, **load_kw)   the backbone with the head, from a plain HF dir
@@ -114,6 +115,7 @@ RERANKER = tuple(m.NAME for m in KINDS["reranker"])
 READS = (multi_vector, sparse, single_vector)  # the order a dir is asked whose kind it holds (most specific first)
 RECORD_FIELDS = {k: v for m in MODULES.values() for k, v in m.RECORD_FIELDS.items()}
 RESUME_FIXED = {k: v for m in MODULES.values() for k, v in m.RESUME_FIXED.items()}
+LOAD_FLAGS = frozenset(k for m in MODULES.values() for k in m.LOAD_FLAGS)
 
 
 def default(family="embedding"):
@@ -195,6 +197,11 @@ def choose(spec, flags, group="embedding", training=False):
     name = flags.get("head") or (spec.head if spec.head in RERANKER else None) or RERANKER[0]
     check_dir(spec, name)
     return get(name), dict(spec.kit)
+
+
+def group_of(name):
+    """The key of KINDS whose heads hold `name` ("embedding" for None: the default family)."""
+    return next((group for group, modules in KINDS.items() if name in (m.NAME for m in modules)), "embedding")
 
 
 def family(name):

@@ -8,12 +8,23 @@ import torch
 import torch.nn.functional as F
 
 from ..chunking import Chunked, run_chunked
+from ..flags import Flag, positive_float
 from ..models import load_auto, pool
 from ..st_format import IDENTITY, drop_chat_template, edit_json
 
 NAME = "classifier"
-FLAGS = {"pooling": "native", "head_lr_mult": 1.0}
 POOLING = ("native", "last", "avg", "cls")
+FLAGS = {  # its flags (cli.py adds them to the reranker script's parser; cli.head_flags checks them)
+    "pooling": Flag(
+        "native", "--pooling", choices=POOLING,
+        help="--head classifier: native = the model's own classification head (BERT: pooler -> classifier; "
+             "decoders: last non-pad token), what transformers and sentence-transformers run; last/avg/cls pool "
+             "hidden states by the attention mask, then the linear head (kit-only; default native)"),
+    "head_lr_mult": Flag(
+        1.0, "--head-lr-mult", group="loss", type=positive_float,
+        help="--head classifier: learning rate of the fresh head (classifier, and BERT's pooler) = --lr x this "
+             "(default 1)"),
+}
 
 
 def load(path, dtype=torch.float32, *, meta=False, spec=None, seed=0, **load_kw):

@@ -10,6 +10,7 @@ import os
 import torch
 
 from ..chunking import Chunked, run_chunked
+from ..flags import Flag, listed
 from ..models import encoder_type, load_auto, pool
 from ..st_format import IDENTITY, SETTINGS_FILE, write_json_files
 
@@ -18,7 +19,16 @@ RECORD_FIELDS = {  # what it keeps in an export's retrieval_kit.json: (check, wh
     "lm_token_ids": (lambda v: v is None or (isinstance(v, list) and len(v) == 2 and all(
         isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)), "two vocabulary ids, or null"),
 }
-FLAGS = {"lm_tokens": ["yes", "no"], "export_seq_cls": False}
+FLAGS = {  # its flags (cli.py adds them to the reranker script's parser; cli.head_flags checks them)
+    "lm_tokens": Flag(
+        ["yes", "no"], "--lm-tokens", type=listed(str),
+        help="--head lm: the true and false words, one token each (default yes,no)"),
+    "export_seq_cls": Flag(
+        False, "--export-seq-cls", neutral=True, action="store_true",
+        help="--head lm: also write final/seq_cls/, a *ForSequenceClassification dir whose one logit is "
+             "logit(true) - logit(false) (the score row = the difference of the two LM-head rows), which "
+             "AutoModelForSequenceClassification, CrossEncoder and seq-cls servers read"),
+}
 
 
 def load(path, dtype=torch.float32, *, meta=False, spec=None, seed=0, **load_kw):

@@ -10,13 +10,34 @@ import torch
 import torch.nn.functional as F
 
 from ..chunking import Chunked, run_chunked
+from ..flags import Flag, positive_int
 from ..models import STDense, load_encoder
 from ..st_format import (bad_field, check_length, check_words, is_length, is_words, max_length, module_kinds,
                          read_json, read_modules, read_prompts, write_json_files)
 
 NAME = "multi-vector"
 TEMPERATURE = 1.0  # MaxSim sums over the query's tokens: PyLate's and sentence-transformers' scale 1
-FLAGS = {"multi_vector_dim": 128, "query_expansion": None, "skiplist": None}
+# --query-expansion / --skiplist -> its settings query_expansion / skiplist_words (maxsim_sides)
+QUERY_EXPANSION = {"off": False, "on": {"attend": False, "token": None}, "attend": {"attend": True, "token": None}}
+SKIPLISTS = {"none": [], "punctuation": list(string.punctuation)}
+FLAGS = {  # its flags (cli.py adds them to the bi-encoder script's parser; cli.head_flags checks them)
+    "multi_vector_dim": Flag(
+        128, "--multi-vector-dim", type=positive_int,
+        help="--head multi-vector: the size of each token's vector (default 128, as sentence-transformers' "
+             "MultiVectorEncoder; a MultiVectorEncoder dir's own projection keeps its size)"),
+    "query_expansion": Flag(
+        None, "--query-expansion", choices=tuple(QUERY_EXPANSION), setting=("query_expansion", QUERY_EXPANSION),
+        help="--head multi-vector: ColBERT's query expansion. on = every query padded to --query-max-length with "
+             "the [MASK] token (the tokenizer's mask token, else its EOS), which MaxSim scores and the encoder does "
+             "not attend to; attend = the encoder attends to them too (PyLate's attend_to_expansion_tokens); off = "
+             "none (default: the model dir's - a PyLate or Stanford ColBERT dir expands - else off, as "
+             "sentence-transformers' MultiVectorEncoder)"),
+    "skiplist": Flag(
+        None, "--skiplist", choices=tuple(SKIPLISTS), setting=("skiplist_words", SKIPLISTS),
+        help="--head multi-vector: passage tokens MaxSim does not score. punctuation = each character of Python's "
+             "string.punctuation that is one token (ColBERT's and PyLate's default) (default: the model dir's, else "
+             "none, as sentence-transformers' MultiVectorEncoder)"),
+}
 RESUME_FIXED = {"multi_vector_dim": "its token projection has that many rows: start a new run (another --output-dir) "
                                     "to train another size"}  # what a resume cannot change (rundir.start_run)
 LOAD_FLAGS = ("multi_vector_dim",)  # the flags load() takes (heads.load_args); an export keeps it in its settings
@@ -46,7 +67,7 @@ def load(path, dtype=torch.float32, *, spec=None, meta=False, multi_vector_dim=N
     model = load_encoder(path, dtype, meta=meta, **load_kw)
     projection = spec.own.get("projection") if spec is not None else None
     hidden = model.config.hidden_size
-    dim = projection["out_features"] if projection is not None else multi_vector_dim or FLAGS["multi_vector_dim"]
+    dim = projection["out_features"] if projection is not None else multi_vector_dim or FLAGS["multi_vector_dim"].default
     if dim > MAX_DIM:
         raise SystemExit(f"--multi-vector-dim {dim}: at most {MAX_DIM} (ColBERT projects to 128)")
     with torch.device("meta" if meta else "cpu"):

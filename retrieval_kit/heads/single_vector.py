@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..chunking import Chunked, run_chunked
+from ..flags import Flag, listed, positive_float, positive_int
 from ..losses import contrastive_scores
 from ..models import POOLING_MODES, STDense, load_encoder, pool
 from ..st_format import (LEGACY_KEYS, ST_POOLING, bad_field, check_length, module_kinds, read_json, read_modules,
@@ -18,8 +19,18 @@ from ..st_format import (LEGACY_KEYS, ST_POOLING, bad_field, check_length, modul
 NAME = "single-vector"
 SETTINGS = {"matryoshka_dims": []}  # settings of its own beyond st_format.SETTING_KEYS (the trained prefixes)
 TEMPERATURE = 0.05  # scale 20, what all-MiniLM-L6-v2 was trained at
-FLAGS = {"pooling": None, "normalize": None, "matryoshka_dims": None, "matryoshka_weights": None,
-         "truncate_dims": None}  # (pooling, normalize: the dir's settings decide; evaluate's --truncate-dims)
+FLAGS = {  # its flags (cli.py adds them to the bi-encoder script's parser; cli.head_flags checks them)
+    "pooling": Flag(), "normalize": Flag(),  # (declared by cli.py for every tool; the dir's settings decide)
+    "truncate_dims": Flag(),  # (evaluate's --truncate-dims)
+    "matryoshka_dims": Flag(
+        None, "--matryoshka-dims", group="loss", type=listed(positive_int),
+        help="Matryoshka embeddings: the loss is the weighted sum of InfoNCE on each of these prefixes of "
+             "the embedding, e.g. 384,256,128,64 (re-normalized when --normalize); --eval-beir reports "
+             "each; the export lists them (default off)"),
+    "matryoshka_weights": Flag(
+        None, "--matryoshka-weights", group="loss", type=listed(positive_float),
+        help="one weight per --matryoshka-dims value (default 1 each)"),
+}
 PREFIX = "st_dense."  # the Dense module's keys in the model's state dict
 
 

@@ -8,14 +8,29 @@ import os
 import torch
 
 from ..chunking import Chunked, run_chunked
+from ..flags import Flag, any_float, listed, nonneg_float, nonneg_int
 from ..losses import contrastive_scores
 from ..models import decoder_dir, load_auto, quiet_loading
 from ..st_format import module_kinds, read_json, read_modules, read_st_settings, write_json_files
 
 NAME = "sparse"
 TEMPERATURE = 1.0  # the dot product of unnormalized weights, scale 1, as SpladeLoss
-FLAGS = {"flops_weights": [5e-5, 3e-5], "flops_warmup_steps": None,  # (sentence-transformers' SpladeLoss example)
-         "lexical_head_bias": None}  # (None: a fresh head keeps transformers' random init)
+FLAGS = {  # its flags (cli.py adds them to the bi-encoder script's parser; cli.head_flags checks them)
+    "flops_weights": Flag(
+        [5e-5, 3e-5], "--flops-weights", group="loss", type=listed(nonneg_float),
+        help="--head sparse: the FLOPS regularizer's weights for queries and documents (default 5e-5,3e-5, "
+             "sentence-transformers' SpladeLoss example)"),
+    "flops_warmup_steps": Flag(
+        None, "--flops-warmup-steps", group="loss", type=nonneg_int,
+        help="--head sparse: the FLOPS weights rise quadratically from 0 over these optimizer steps (default a "
+             "third of --max-steps, as sentence-transformers' SpladeRegularizerWeightSchedulerCallback)"),
+    "lexical_head_bias": Flag(  # (None: a fresh head keeps transformers' random init)
+        None, "--lexical-head-bias", type=any_float,
+        help="--head sparse, a model dir without a trained MLM head (all-MiniLM-L6-v2): start the fresh head as a "
+             "lexical map - its transform the identity, its norm 1 / 0 - with every vocabulary logit shifted by this "
+             "bias, so a text starts as its own words and their neighbours in the vocabulary (-4 on MiniLM: 0.79 "
+             "nDCG@10 untrained, docs/pipeline.md) (default: transformers' random init)"),
+}
 LOAD_FLAGS = ("lexical_head_bias",)  # the flags load() takes (cli.head_load_settings)
 SPARSE_BLOCK = 1 << 24  # elements of one chunk of vocabulary logits (64 MiB in fp32)
 
@@ -278,7 +293,7 @@ def regularizer(flags, state, count_scale=1.0, max_steps=0):
     """Flops with the flags' weights (--flops-weights), warmed up over --flops-warmup-steps (default a
     third of `max_steps`)."""
     warmup = max_steps // 3 if flags.get("flops_warmup_steps") is None else flags["flops_warmup_steps"]
-    return Flops(flags.get("flops_weights") or FLAGS["flops_weights"], warmup, state, count_scale)
+    return Flops(flags.get("flops_weights") or FLAGS["flops_weights"].default, warmup, state, count_scale)
 
 
 # ----- export ------------------------------------------------------------------------------------
