@@ -81,6 +81,8 @@ def main():
     encoder, source = load_once(load, args.parallel == "fsdp2", ctx)  # FSDP2: meta, rank 0 loads
     evaluate.prepare(tokenizer, encoder, settings, head, args.append_eos, args.bidirectional,
                      args.pad_to_multiple_of)  # a decoder: pad left, EOS; the lengths checked
+    guide = evaluate.load_guide(args.guide_model, tokenizer, storage_dtype, args.trust_remote_code,
+                                ctx.device, autocast_dtype)  # --guide-model: frozen, or None
     dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights,
                            head.embedding_size(encoder))
     lora_info = lora.apply_each((encoder, source), train=head.lora_trained,
@@ -134,8 +136,8 @@ def main():
         biencoder_loss, n_passages=args.n_passages, temperature=args.temperature,
         in_batch=args.in_batch_negatives, scores=head.scores, contrastive=contrastive,
         **dist.negative_gathers(gather, ctx.rank * args.batch_size * args.n_passages),
-        mask_duplicates=args.mask_duplicates, distill_weight=args.distill_weight,
-        teacher_temperature=args.teacher_temperature,
+        mask_duplicates=args.mask_duplicates, **cli.distill_settings(args),
+        **cli.signal_settings(args, guide),
         regularizer=head.regularizer(vars(args), state, per_rank, args.max_steps))
     fwd_bwd = loop.step_fn(args.grad_cache, loss_fn, args.grad_accum_steps,
                            (ctx.device.type, autocast_dtype))
@@ -178,7 +180,7 @@ def main():
 
         sums = loop.StepSums(ctx.device)
         for micro in range(args.grad_accum_steps):
-            inputs = loop.to_device(next(batches), ctx.device)  # {"q": Chunked, "p": Chunked}
+            inputs = loop.with_guide(loop.to_device(next(batches), ctx.device), guide and guide[0])
             sums.add(inputs, *fwd_bwd(model, inputs, sync=micro == args.grad_accum_steps - 1))
         scalars = loop.finish_step(  # clip -> step or skip -> EMA -> reduce -> stop flag
             model, optimizer, scheduler, state, sums, stop.requested, args.max_grad_norm,

@@ -164,8 +164,7 @@ def main():
     batches = loop.step_batches(dataset, start_step, args.max_steps, args.grad_accum_steps,
                                 args.num_workers, ctx.device)
     loss_fn = functools.partial(reranker_loss, n_passages=args.n_passages,
-                                loss=RERANK_LOSSES[args.loss], distill_weight=args.distill_weight,
-                                teacher_temperature=args.teacher_temperature)
+                                loss=RERANK_LOSSES[args.loss], **cli.distill_settings(args))
     fwd_bwd = loop.step_fn(args.grad_cache, loss_fn, args.grad_accum_steps,
                            (ctx.device.type, autocast_dtype))
     val_score = functools.partial(loop.reranker_group_scores, collate=collate, device=ctx.device,

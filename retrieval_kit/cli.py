@@ -20,6 +20,7 @@ import functools
 import os
 
 from . import flags, heads
+from .losses import DIRECTIONS, DISTILL_LOSSES
 from .records import DataSpec
 
 CHUNK_TOKENS = 1024  # --chunk-tokens on CPU: measured faster on the default model and data (docs/benchmarks.md)
@@ -203,6 +204,27 @@ def add_biencoder_loss_args(g):
          help="leave a query's own positive out of its negatives wherever the same text appears again in "
               "the batch (another query's positive or hard negative, gathered ranks included); the count "
               "is logged as duplicates_masked (default on)")
+    flag(g, "--loss-directions", type=flags.listed(flags.choice(tuple(DIRECTIONS))), default=["q2p"],
+         help="the contrastive loss's terms, q2p first: q2p = each query against the passages (InfoNCE); p2q = each "
+              "positive against the queries; q2q = each query against the other queries; p2p = each positive against "
+              "the other queries' passages (sentence-transformers' MultipleNegativesRankingLoss directions; all four: "
+              "GTE's improved contrastive loss) (default q2p)")
+    flag(g, "--loss-partition", choices=("joint", "per-direction"), default="joint",
+         help="with several --loss-directions: joint = one softmax over all terms; per-direction = one per term, "
+              "their losses averaged (not with q2q or p2p, whose terms hold no positive) (default joint)")
+    flag(g, "--false-negative-margin", type=flags.any_float, default=None,
+         help="leave out of every term each negative the model itself scores above the query's positive + this "
+              "margin (Qwen3-Embedding's rule, 0.1 on cosine); the count is logged as false_negatives_masked "
+              "(default off)")
+    flag(g, "--guide-model", type=flags.model_path, default=None,
+         help="a frozen bi-encoder (any dir the kit reads, e.g. the base model; the same tokenizer) scores each "
+              "batch without gradients; a negative it scores above its score of the query's positive - "
+              "--guide-margin is left out of every term (sentence-transformers' GISTEmbedLoss) (default none)")
+    flag(g, "--guide-margin-strategy", choices=("absolute", "relative"), default="absolute",
+         help="--guide-model: absolute = the bound is the guide's positive score - margin; relative = - "
+              "|positive score| x margin (default absolute)")
+    flag(g, "--guide-margin", type=flags.any_float, default=0.0,
+         help="--guide-model: the margin below the guide's positive score (default 0)")
 
 
 def add_reranker_loss_args(g, losses):
@@ -218,6 +240,10 @@ def add_distill_args(g):
          help="add this x KL(teacher || student) over each query's group to the loss, from the teacher "
               "scores in the training data (pos_scores / neg_scores: python -m retrieval_kit.score "
               "writes them); 0 = off (default)")
+    flag(g, "--distill-loss", choices=("kl", "margin-mse"), default="kl",
+         help="--distill-weight's term: kl = KL(teacher || model) over each query's group; margin-mse = the squared "
+              "difference of the margins (positive minus each negative) of the model's and the teacher's raw "
+              "scores (MarginMSE, the MS MARCO distillation recipe; no temperature) (default kl)")
     flag(g, "--teacher-temperature", type=flags.positive_float, default=1.0,
          help="softmax temperature of the teacher scores (default 1: reranker logits; a bi-encoder "
               "teacher's cosines want about its training temperature, e.g. 0.05)")
@@ -376,11 +402,34 @@ def precision_dtypes(args):
 
 def loss_summary(args, gather=None, dims=None):
     """What the loss was, in words, for an export's model card."""
+    extra = {"distill loss": args.distill_loss} if args.distill_loss != "kl" else {}  # (only what is not the default)
     if hasattr(args, "temperature"):  # the bi-encoder
+        extra.update({k: v for k, v in (("loss directions", ",".join(args.loss_directions)),
+                                        ("loss partition", args.loss_partition),
+                                        ("false-negative margin", args.false_negative_margin),
+                                        ("guide model", args.guide_model)) if v not in ("q2p", "joint", None)})
+        if args.guide_model:
+            extra["guide margin"] = f"{args.guide_margin:g} ({args.guide_margin_strategy})"
         return {"InfoNCE temperature": args.temperature, "in-batch negatives": args.in_batch_negatives,
                 "gathered": gather, "duplicates masked": args.mask_duplicates, "Matryoshka dims": dims,
-                "distill weight": args.distill_weight}
-    return {args.loss: f"{args.n_passages} pairs per query", "distill weight": args.distill_weight}
+                "distill weight": args.distill_weight, **extra}
+    return {args.loss: f"{args.n_passages} pairs per query", "distill weight": args.distill_weight, **extra}
+
+
+def distill_settings(args):
+    """The loss's distillation keywords (losses.biencoder_loss / reranker_loss): --distill-weight,
+    --distill-loss, --teacher-temperature."""
+    return {"distill_weight": args.distill_weight, "distill": DISTILL_LOSSES[args.distill_loss],
+            "teacher_temperature": args.teacher_temperature}
+
+
+def signal_settings(args, guide=None):
+    """losses.biencoder_loss's keywords of the training signals beside InfoNCE: --loss-directions,
+    --loss-partition, --false-negative-margin, the guide's (`guide`: evaluate.load_guide's) scores and
+    margin."""
+    return {"directions": tuple(args.loss_directions), "joint": args.loss_partition == "joint",
+            "false_negative_margin": args.false_negative_margin, "guide_scores": guide[1].scores if guide else None,
+            "guide_margin": args.guide_margin, "guide_relative": args.guide_margin_strategy == "relative"}
 
 
 def lora_settings(args, base_model, storage_dtype):
@@ -672,6 +721,25 @@ def parse(parser, argv=None):
         raise SystemExit(f"--no-in-batch-negatives with --n-passages {args.n_passages}: every query would be scored "
                          "against its positive alone, and nothing is learned; give --n-passages 2 or more, or keep "
                          "in-batch negatives")
+    if args.distill_loss != "kl" and not args.distill_weight:
+        raise SystemExit(f"--distill-loss {args.distill_loss}: only with --distill-weight above 0 (distillation is off)")
+    if args.distill_loss == "margin-mse" and args.teacher_temperature != 1.0:
+        raise SystemExit("--teacher-temperature with --distill-loss margin-mse: MarginMSE compares raw score margins, "
+                         "at no temperature; drop the flag")
+    directions = getattr(args, "loss_directions", None) or ["q2p"]
+    if directions[0] != "q2p" or len(set(directions)) != len(directions):
+        raise SystemExit(f"--loss-directions {','.join(directions)}: give q2p first (the term holding each query's "
+                         "positive), then any of p2q, q2q, p2p, each once")
+    if len(directions) > 1 and not args.in_batch_negatives:
+        raise SystemExit(f"--loss-directions {','.join(directions)} with --no-in-batch-negatives: the terms beyond "
+                         "q2p score across the batch; keep in-batch negatives or give --loss-directions q2p")
+    if getattr(args, "loss_partition", "joint") == "per-direction" and {"q2q", "p2p"} & set(directions):
+        raise SystemExit(f"--loss-partition per-direction with --loss-directions {','.join(directions)}: a q2q or "
+                         "p2p term holds no positive, so its own softmax has nothing to rank first; use joint")
+    for name in ("guide_margin_strategy", "guide_margin"):
+        default = parser.get_default(name) if name in vars(args) else None
+        if getattr(args, name, None) != default and not args.guide_model:
+            raise SystemExit(f"--{name.replace('_', '-')}: only with --guide-model (no guide scores the batch)")
     if (getattr(args, "flops_warmup_steps", None) or 0) > args.max_steps and os.environ.get("RANK", "0") == "0":
         print(f"warning: --flops-warmup-steps {args.flops_warmup_steps} > --max-steps {args.max_steps}: the FLOPS "
               f"weights never reach --flops-weights (they stop at {(args.max_steps / args.flops_warmup_steps) ** 2:.3g} "

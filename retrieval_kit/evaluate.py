@@ -70,6 +70,22 @@ def load_biencoder(model_dir, flags=None, dtype=torch.float32, trust_remote_code
     return head.embedder(model, settings).eval(), tokenizer, settings, head
 
 
+def load_guide(model_dir, tokenizer, dtype=torch.float32, trust_remote_code=False, device="cpu", compute_dtype=None):
+    """--guide-model: (the frozen guide's embedder, its head) of a bi-encoder dir (load_biencoder), which
+    reads the trained model's token ids: a guide of another vocabulary than `tokenizer` is one sentence.
+    None for no dir."""
+    if model_dir is None:
+        return None
+    model, guide_tokenizer, _, head = load_biencoder(model_dir, None, dtype, trust_remote_code, device, compute_dtype)
+    if guide_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise SystemExit(f"--guide-model {model_dir}: its tokenizer's vocabulary ({len(guide_tokenizer)} entries) is "
+                         f"not the trained model's ({len(tokenizer)}), and the guide reads the batch's token ids: give "
+                         "a guide of the same tokenizer (e.g. the base model)")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, head
+
+
 def prepare(tokenizer, model, settings, head, append_eos=None, bidirectional=False, multiple=None):
     """A bi-encoder's tokenizer and model made ready for their architecture (models.prepare_embedder: a
     decoder pads left, appends EOS; the lengths checked) and for the head (head.prepare: multi-vector's

@@ -44,6 +44,15 @@ def metric_name(text):
     return text
 
 
+def choice(names):
+    """One of `names` (an item of a listed flag; argparse's choices cannot check the items of a list)."""
+    def parse(text):
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(names)}, got {text!r}")
+        return text
+    return parse
+
+
 def listed(item):
     """A comma-separated list of `item` values ("384,256,128"), each checked by `item`."""
     def parse(text):

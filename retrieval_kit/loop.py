@@ -69,6 +69,16 @@ def split_batch(batch):
     return inputs, {k: v for k, v in batch.items() if k not in inputs}
 
 
+def with_guide(inputs, guide):
+    """--guide-model: `inputs` with the frozen guide's {"q", "p"} embeddings of the same batch (computed
+    without a graph, length chunk by chunk) as the target "guide" of the loss (losses.biencoder_loss);
+    `inputs` as they are without a guide (None)."""
+    if guide is None:
+        return inputs
+    with torch.no_grad():
+        return {**inputs, "guide": guide(q=inputs["q"], p=inputs["p"])}
+
+
 # ----- forward + backward of one micro-batch (chosen once, before the loop) -------------------
 
 def step_fn(grad_cache, loss_fn, accum, autocast=(None, None)):

@@ -69,6 +69,8 @@ def bi_step(model, opt, tok, queries, groups, gather, label_offset, max_norm, us
     fwd_bwd = loop.grad_cache_step if grad_cache else loop.plain_step
 
     def loss_fn(out):
+        if LOSS_KW:  # the training signals beside InfoNCE (issue 64): the script's loss, with the guide's embeddings
+            return signal_loss(out, guide_reps, dist.negative_gathers(gather, label_offset(per)))
         p_all = dist.gather_with_grad(out["p"]) if gather else out["p"]
         loss = contrastive_loss(out["q"], p_all, N, TEMP, True, label_offset(per) if gather else 0, scores=HEAD[0].scores)
         if REG:  # --head sparse: FLOPS of every rank's queries and passages
@@ -77,8 +79,9 @@ def bi_step(model, opt, tok, queries, groups, gather, label_offset, max_norm, us
     for m in range(accum):
         qb, pb = collate_biencoder(tok, queries[m * per:(m + 1) * per], groups[m * per:(m + 1) * per], 16, 32,
                                    sides=SIDES)
-        loss, _ = fwd_bwd(model, {"q": chunk_batch(qb, grad_cache), "p": chunk_batch(pb, grad_cache)}, loss_fn, accum,
-                          m == accum - 1)
+        inputs = {"q": chunk_batch(qb, grad_cache), "p": chunk_batch(pb, grad_cache)}
+        guide_reps = loop.with_guide(inputs, GUIDE[0] if GUIDE else None).get("guide")  # (chunk by chunk)
+        loss, _ = fwd_bwd(model, inputs, loss_fn, accum, m == accum - 1)
         total += loss.item() / accum
     if grads is not None:
         grads.update(full_grads(dist.unwrap(model).encoder))
@@ -96,6 +99,19 @@ def bi_model(enc):
     return HEAD[0].embedder(enc, SETTINGS)
 
 
+def signal_loss(out, guide_reps, gathers):
+    """losses.biencoder_loss with the signal keywords of the checks under way (LOSS_KW) and the guide's
+    embeddings of this batch: (loss, None)."""
+    from retrieval_kit.losses import biencoder_loss
+
+    loss, _, counts = biencoder_loss(out, n_passages=N, temperature=TEMP, scores=HEAD[0].scores, guide=guide_reps,
+                                     guide_scores=HEAD[0].scores if guide_reps is not None else None, **gathers,
+                                     **LOSS_KW)
+    COUNTS.append(counts.get("false_negatives_masked", torch.zeros(())).item())
+    return loss, None
+
+
+LOSS_KW, GUIDE, COUNTS = {}, [], []  # biencoder_loss's signal keywords, a frozen guide, the masked counts seen
 HEAD, REG = [single_vector], []  # the head under test; sparse: its regularizer, FLOPS at full weight (no warm-up)
 EMAS = []  # the EMA of each run (None without), the last one last
 SETTINGS = {"pooling": "avg", "normalize": True, "query_max_length": 16, "passage_max_length": 32}
@@ -119,7 +135,11 @@ def reference_bi(enc0, tok, steps, max_norm, accum=1, world=2, ema=None):
             idx = [r * per_rank + m * per + i for r in range(world) for i in range(per)]
             qb, pb = collate_biencoder(tok, [queries[i] for i in idx], [groups[i] for i in idx], 16, 32, sides=SIDES)
             out = model(q=qb, p=pb)
-            loss = contrastive_loss(out["q"], out["p"], N, TEMP, True, scores=HEAD[0].scores)
+            if LOSS_KW:
+                guide_reps = loop.with_guide({"q": qb, "p": pb}, GUIDE[0] if GUIDE else None).get("guide")
+                loss = signal_loss(out, guide_reps, {})[0]
+            else:
+                loss = contrastive_loss(out["q"], out["p"], N, TEMP, True, scores=HEAD[0].scores)
             if REG:
                 loss = loss + REG[0](out["q"], out["p"])[0]
             (loss / accum).backward()
@@ -238,6 +258,29 @@ def main():
     compare("ddp_grad_cache", run_bi(ctx, enc0, tok, steps, "ddp", grad_cache=24), ref)
     compare("fsdp2_grad_cache", run_bi(ctx, enc0, tok, steps, "fsdp2", grad_cache=24), ref)
     compare("ddp_grad_cache_accum2", run_bi(ctx, enc0, tok, steps, "ddp", accum=2, grad_cache=24), ref_acc)
+    # the training signals (issue 64): all four loss directions with the Qwen3 rule on the model's own scores;
+    # p2q per direction with a frozen guide's masks (another model's weights), relative and absolute margins
+    LOSS_KW.update(directions=("q2p", "p2q", "q2q", "p2p"), false_negative_margin=0.0)
+    ref_sig = reference_bi(enc0, tok, steps, 1.0)
+    results["signals_counts"] = {"masked": sum(COUNTS)}
+    compare("signals_ddp_vs_single", run_bi(ctx, enc0, tok, steps, "ddp"), ref_sig)
+    compare("signals_fsdp2_grad_cache", run_bi(ctx, enc0, tok, steps, "fsdp2", grad_cache=24), ref_sig)
+    guide_enc = copy.deepcopy(enc0)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(7)
+        for p in guide_enc.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    GUIDE.append(BiEncoder(guide_enc).eval())
+    for name, margin, relative in (("guide_relative", 0.01, True), ("guide_absolute", 0.0, False)):
+        LOSS_KW.clear()
+        LOSS_KW.update(directions=("q2p", "p2q"), joint=False, guide_margin=margin, guide_relative=relative)
+        COUNTS.clear()
+        ref_g = reference_bi(enc0, tok, steps, 1.0)
+        results[f"{name}_counts"] = {"masked": sum(COUNTS), "loss_vs_unguided": abs(ref_g[1][0] - ref[1][0])}
+        compare(f"{name}_ddp_vs_single", run_bi(ctx, enc0, tok, steps, "ddp"), ref_g)
+        compare(f"{name}_ddp_grad_cache", run_bi(ctx, enc0, tok, steps, "ddp", grad_cache=24), ref_g)
+    LOSS_KW.clear()
+    GUIDE.clear()
     # control: without the gather each rank only sees its own passages - the check must notice
     compare("control_no_gather", run_bi(ctx, enc0, tok, steps, "ddp", gather=False), ref)
     # --ema-decay (issue 52): the average on 2 ranks (DDP replicas, FSDP2 shards) = one process's; FSDP2's

@@ -126,14 +126,18 @@ def test_sigkill_then_resume_is_bitwise_identical(bi_ref, tiny_model_dir, small_
     assert kept[-2:] == ["step_000006", "step_000008"] and len(kept) == 2  # --keep-last 2
 
 
-@pytest.mark.parametrize("head", ["multi-vector", "sparse"])
+@pytest.mark.parametrize("head", ["multi-vector", "sparse", "signals"])
 def test_multi_vector_and_sparse_sigkill_then_resume_is_bitwise_identical(tiny_model_dir, small_train_file, tmp_path,
                                                                           head):
     """--head multi-vector (the token projection rides in the checkpoints) and --head sparse (the MLM head,
     the FLOPS weights' warm-up read from the loop state), with GradCache's cached gradients replayed:
-    killed after step 2, resumed, the same weights and losses as a run in one go."""
-    extra = ("--head", head, "--grad-cache", "--chunk-tokens", 64) + (
-        ("--multi-vector-dim", 8) if head == "multi-vector" else ("--flops-warmup-steps", 3))
+    killed after step 2, resumed, the same weights and losses as a run in one go. "signals": the training
+    signals of issue 64 together (every loss direction, the Qwen3 rule, a frozen guide, the base itself)."""
+    extra = {"multi-vector": ("--head", head, "--multi-vector-dim", 8),
+             "sparse": ("--head", head, "--flops-warmup-steps", 3),
+             "signals": ("--loss-directions", "q2p,p2q,q2q,p2p", "--false-negative-margin", 0.0, "--guide-model",
+                         tiny_model_dir, "--guide-margin-strategy", "relative", "--guide-margin", 0.01)}[head]
+    extra += ("--grad-cache", "--chunk-tokens", 64)
     ref = tmp_path / "ref"
     run_script("train_biencoder.py", bi_args(tiny_model_dir, small_train_file, ref, *extra, "--max-steps", 4))
     args = bi_args(tiny_model_dir, small_train_file, tmp_path / "run", *extra)
@@ -145,8 +149,11 @@ def test_multi_vector_and_sparse_sigkill_then_resume_is_bitwise_identical(tiny_m
     if head == "multi-vector":  # the projection, exported apart
         dense = [load_file(os.path.join(d, "final", "1_Dense", "model.safetensors")) for d in (ref, tmp_path / "run")]
         assert torch.equal(dense[0]["linear.weight"], dense[1]["linear.weight"])
-    else:
+    elif head == "sparse":
         assert any(k.startswith("cls.") for k in weights(ref))  # the vocabulary head is in the model
+    else:  # the rules left candidates out, and said so each step
+        masked = [r["false_negatives_masked"] for r in read_jsonl(ref / "metrics.jsonl") if r["split"] == "train"]
+        assert len(masked) == 4 and all(m > 0 for m in masked), masked
 
 
 def test_sigterm_saves_a_checkpoint_that_resumes_exactly_reranker(tiny_model_dir, small_train_file, tmp_path):

@@ -41,7 +41,9 @@ EXACT = ["ddp_vs_single", "fsdp2_vs_single", "fsdp2_no_reshard_vs_single", "ddp_
          "lora_ddp_activation_checkpointing",
          "multi_vector_ddp_vs_single", "multi_vector_fsdp2_vs_single", "multi_vector_ddp_grad_cache",
          "colbert_ddp_vs_single", "colbert_ddp_grad_cache",
-         "sparse_ddp_vs_single", "sparse_fsdp2_vs_single", "sparse_ddp_grad_cache"]
+         "sparse_ddp_vs_single", "sparse_fsdp2_vs_single", "sparse_ddp_grad_cache",
+         "signals_ddp_vs_single", "signals_fsdp2_grad_cache", "guide_relative_ddp_vs_single",
+         "guide_relative_ddp_grad_cache", "guide_absolute_ddp_vs_single", "guide_absolute_ddp_grad_cache"]
 
 
 @pytest.mark.parametrize("check", EXACT)
@@ -58,6 +60,14 @@ def test_two_ranks_equal_one_process_with_the_global_batch(results, check):
 @pytest.mark.parametrize("check", [c for c in EXACT if c.startswith("lora_")])
 def test_lora_puts_no_gradient_on_the_frozen_base(results, check):
     assert results[check]["grads_on_base"] == 0
+
+
+def test_the_signal_checks_mask_false_negatives_and_change_the_loss(results):
+    """The 2-rank checks of issue 64 run rules that leave candidates out (a check of nothing masked could
+    not fail) and a guided loss other than the plain one."""
+    assert results["signals_counts"]["masked"] > 0
+    for name in ("guide_relative", "guide_absolute"):
+        assert results[f"{name}_counts"]["masked"] > 0 and results[f"{name}_counts"]["loss_vs_unguided"] > 1e-4
 
 
 def test_the_check_catches_missing_cross_device_negatives(results):

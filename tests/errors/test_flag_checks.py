@@ -62,6 +62,44 @@ def test_flags_that_cannot_go_together_are_one_sentence(argv, says):
         cli.parse(cli.reranker_parser(), argv)
 
 
+@pytest.mark.parametrize("argv,says", [
+    (["--loss-directions", "p2q,q2p"], "--loss-directions p2q,q2p: give q2p first"),
+    (["--loss-directions", "q2p,p2q,p2q"], "--loss-directions q2p,p2q,p2q: give q2p first (the term holding each "
+                                           "query's positive), then any of p2q, q2q, p2p, each once"),
+    (["--loss-directions", "q2p,p2q", "--no-in-batch-negatives"], "with --no-in-batch-negatives: the terms beyond"),
+    (["--loss-directions", "q2p,q2q", "--loss-partition", "per-direction"], "--loss-partition per-direction with "
+                                                                            "--loss-directions q2p,q2q: a q2q or p2p"),
+    (["--guide-margin", "0.1"], "--guide-margin: only with --guide-model"),
+    (["--guide-margin-strategy", "relative"], "--guide-margin-strategy: only with --guide-model"),
+    (["--distill-loss", "margin-mse"], "--distill-loss margin-mse: only with --distill-weight above 0"),
+    (["--distill-loss", "margin-mse", "--distill-weight", "1", "--teacher-temperature", "0.05"],
+     "--teacher-temperature with --distill-loss margin-mse"),
+])
+def test_the_training_signals_flags_that_cannot_go_together_are_one_sentence(argv, says):
+    with pytest.raises(SystemExit, match=says.replace("(", r"\(").replace(")", r"\)")):
+        cli.parse(cli.biencoder_parser(), argv)
+
+
+def test_a_bad_loss_direction_is_one_argparse_line_and_a_reranker_has_none(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse(cli.biencoder_parser(), ["--loss-directions", "q2p,d2d"])
+    assert e.value.code == 2 and "argument --loss-directions: must be one of q2p, p2q, q2q, p2p, got 'd2d'" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.parse(cli.reranker_parser(), ["--loss-directions", "q2p,p2q"])
+    assert e.value.code == 2 and "--loss-directions" in capsys.readouterr().err
+
+
+def test_a_guide_of_another_vocabulary_is_one_sentence(tiny_model_dir, tiny_decoder_dir):
+    from retrieval_kit.evaluate import load_guide
+
+    with pytest.raises(SystemExit, match=f"--guide-model {tiny_decoder_dir}: its tokenizer's vocabulary .* is not the "
+                                         "trained model's .*: give a guide of the same tokenizer"):
+        load_guide(tiny_decoder_dir, load_tokenizer(tiny_model_dir))
+    guide, head = load_guide(tiny_model_dir, load_tokenizer(tiny_model_dir))  # the base itself: frozen
+    assert head.NAME == "single-vector" and not any(p.requires_grad for p in guide.parameters())
+
+
 def test_warmup_past_the_last_step_is_a_warning(capsys):
     cli.parse(cli.biencoder_parser(), ["--warmup-steps", "10", "--max-steps", "2"])
     assert "warning: --warmup-steps 10 > --max-steps 2: the LR never reaches --lr" in capsys.readouterr().out
