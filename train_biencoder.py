@@ -20,7 +20,7 @@ from retrieval_kit.export import export_model, model_card
 from retrieval_kit.rundir import exit_on_data_error
 from retrieval_kit.losses import biencoder_loss, contrastive_loss, matryoshka, matryoshka_plan
 from retrieval_kit.metrics import WindowedAverage
-from retrieval_kit.models import default_model_dir, load_once, load_tokenizer
+from retrieval_kit.models import default_model_dir, load_once, load_tokenizer, with_layers
 
 
 def parse_args(argv=None):
@@ -76,13 +76,16 @@ def main():
     head, settings = heads.choose(spec, cli.setting_overrides(args), training=True)  # the kind
     cli.head_flags(args, head.NAME, spec=spec)  # its flags' defaults; another head's: one sentence
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code, spec.prepare_tokenizer)
-    load = functools.partial(head.load, model_dir, storage_dtype, spec=spec, seed=args.seed,
-                             **cli.load_settings(args), **cli.head_load_settings(args, head))
+    load = with_layers(functools.partial(head.load, model_dir, storage_dtype, spec=spec, seed=args.seed,
+                                         **cli.load_settings(args), **cli.head_load_settings(args, head)),
+                       args.init_layers)  # --init-layers: a student of some of its layers
     encoder, source = load_once(load, args.parallel == "fsdp2", ctx)  # FSDP2: meta, rank 0 loads
     evaluate.prepare(tokenizer, encoder, settings, head, args.append_eos, args.bidirectional,
                      args.pad_to_multiple_of)  # a decoder: pad left, EOS; the lengths checked
-    guide = evaluate.load_guide(args.guide_model, tokenizer, storage_dtype, args.trust_remote_code,
-                                ctx.device, autocast_dtype)  # --guide-model: frozen, or None
+    guide, teacher = (evaluate.load_guide(  # --guide-model, --teacher-model: frozen, or None
+        path, tokenizer, storage_dtype, args.trust_remote_code, ctx.device, autocast_dtype, f"--{flag}-model",
+        like) for path, flag, like in ((args.guide_model, "guide", None),
+                                       (args.teacher_model, "teacher", (head, head.embedding_size(encoder)))))
     dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights,
                            head.embedding_size(encoder))
     lora_info = lora.apply_each((encoder, source), train=head.lora_trained,
@@ -180,7 +183,8 @@ def main():
 
         sums = loop.StepSums(ctx.device)
         for micro in range(args.grad_accum_steps):
-            inputs = loop.with_guide(loop.to_device(next(batches), ctx.device), guide and guide[0])
+            inputs = loop.with_guide(loop.to_device(next(batches), ctx.device), guide and guide[0],
+                                     teacher and teacher[0])  # their embeddings of the batch
             sums.add(inputs, *fwd_bwd(model, inputs, sync=micro == args.grad_accum_steps - 1))
         scalars = loop.finish_step(  # clip -> step or skip -> EMA -> reduce -> stop flag
             model, optimizer, scheduler, state, sums, stop.requested, args.max_grad_norm,

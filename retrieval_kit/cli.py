@@ -225,6 +225,19 @@ def add_biencoder_loss_args(g):
               "|positive score| x margin (default absolute)")
     flag(g, "--guide-margin", type=flags.any_float, default=0.0,
          help="--guide-model: the margin below the guide's positive score (default 0)")
+    flag(g, "--teacher-model", type=flags.model_path, default=None,
+         help="embedding distillation: a frozen bi-encoder of the same kind, size and tokenizer embeds each batch "
+              "without gradients, and the model's query and passage embeddings regress its own "
+              "(--distill-embeddings), added to the contrastive loss x --embedding-distill-weight (default none)")
+    flag(g, "--distill-embeddings", choices=("mse", "cosine"), default="mse",
+         help="--teacher-model: mse = the mean squared error over every number (sentence-transformers' MSELoss); "
+              "cosine = the mean of 1 - cosine over the texts (default mse)")
+    flag(g, "--embedding-distill-weight", type=flags.nonneg_float, default=1.0,
+         help="--teacher-model: the distillation term's weight beside the contrastive loss (default 1)")
+    flag(g, "--init-layers", type=flags.listed(flags.nonneg_int), default=None,
+         help="start from these transformer layers of --model only, e.g. 0,2,4 (a student of half its teacher's "
+              "depth, as sentence-transformers' distillation example builds one); the export has that depth "
+              "(default: every layer)")
 
 
 def add_reranker_loss_args(g, losses):
@@ -407,7 +420,10 @@ def loss_summary(args, gather=None, dims=None):
         extra.update({k: v for k, v in (("loss directions", ",".join(args.loss_directions)),
                                         ("loss partition", args.loss_partition),
                                         ("false-negative margin", args.false_negative_margin),
-                                        ("guide model", args.guide_model)) if v not in ("q2p", "joint", None)})
+                                        ("guide model", args.guide_model), ("init layers", args.init_layers),
+                                        ("teacher model", args.teacher_model)) if v not in ("q2p", "joint", None)})
+        if args.teacher_model:
+            extra["embedding distillation"] = f"{args.distill_embeddings} x {args.embedding_distill_weight:g}"
         if args.guide_model:
             extra["guide margin"] = f"{args.guide_margin:g} ({args.guide_margin_strategy})"
         return {"InfoNCE temperature": args.temperature, "in-batch negatives": args.in_batch_negatives,
@@ -426,10 +442,11 @@ def distill_settings(args):
 def signal_settings(args, guide=None):
     """losses.biencoder_loss's keywords of the training signals beside InfoNCE: --loss-directions,
     --loss-partition, --false-negative-margin, the guide's (`guide`: evaluate.load_guide's) scores and
-    margin."""
+    margin, the embedding distillation's weight and metric."""
     return {"directions": tuple(args.loss_directions), "joint": args.loss_partition == "joint",
             "false_negative_margin": args.false_negative_margin, "guide_scores": guide[1].scores if guide else None,
-            "guide_margin": args.guide_margin, "guide_relative": args.guide_margin_strategy == "relative"}
+            "guide_margin": args.guide_margin, "guide_relative": args.guide_margin_strategy == "relative",
+            "embedding_weight": args.embedding_distill_weight, "embedding_metric": args.distill_embeddings}
 
 
 def lora_settings(args, base_model, storage_dtype):
@@ -736,10 +753,12 @@ def parse(parser, argv=None):
     if getattr(args, "loss_partition", "joint") == "per-direction" and {"q2q", "p2p"} & set(directions):
         raise SystemExit(f"--loss-partition per-direction with --loss-directions {','.join(directions)}: a q2q or "
                          "p2p term holds no positive, so its own softmax has nothing to rank first; use joint")
-    for name in ("guide_margin_strategy", "guide_margin"):
+    for name, needs in (("guide_margin_strategy", "guide_model"), ("guide_margin", "guide_model"),
+                        ("distill_embeddings", "teacher_model"), ("embedding_distill_weight", "teacher_model")):
         default = parser.get_default(name) if name in vars(args) else None
-        if getattr(args, name, None) != default and not args.guide_model:
-            raise SystemExit(f"--{name.replace('_', '-')}: only with --guide-model (no guide scores the batch)")
+        if getattr(args, name, None) != default and not getattr(args, needs):
+            raise SystemExit(f"--{name.replace('_', '-')}: only with --{needs.replace('_', '-')} (no "
+                             f"{needs.split('_')[0]} embeds the batch)")
     if (getattr(args, "flops_warmup_steps", None) or 0) > args.max_steps and os.environ.get("RANK", "0") == "0":
         print(f"warning: --flops-warmup-steps {args.flops_warmup_steps} > --max-steps {args.max_steps}: the FLOPS "
               f"weights never reach --flops-weights (they stop at {(args.max_steps / args.flops_warmup_steps) ** 2:.3g} "

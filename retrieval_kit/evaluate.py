@@ -70,17 +70,24 @@ def load_biencoder(model_dir, flags=None, dtype=torch.float32, trust_remote_code
     return head.embedder(model, settings).eval(), tokenizer, settings, head
 
 
-def load_guide(model_dir, tokenizer, dtype=torch.float32, trust_remote_code=False, device="cpu", compute_dtype=None):
-    """--guide-model: (the frozen guide's embedder, its head) of a bi-encoder dir (load_biencoder), which
-    reads the trained model's token ids: a guide of another vocabulary than `tokenizer` is one sentence.
-    None for no dir."""
+def load_guide(model_dir, tokenizer, dtype=torch.float32, trust_remote_code=False, device="cpu", compute_dtype=None,
+               flag="--guide-model", like=None):
+    """--guide-model, --teacher-model: (the frozen model's embedder, its head) of a bi-encoder dir
+    (load_biencoder), which reads the trained model's token ids: one of another vocabulary than
+    `tokenizer`, or (`like`: the trained model's (head, embedding size)) of another kind or size, is one
+    sentence naming `flag`. None for no dir."""
     if model_dir is None:
         return None
     model, guide_tokenizer, _, head = load_biencoder(model_dir, None, dtype, trust_remote_code, device, compute_dtype)
     if guide_tokenizer.get_vocab() != tokenizer.get_vocab():
-        raise SystemExit(f"--guide-model {model_dir}: its tokenizer's vocabulary ({len(guide_tokenizer)} entries) is "
-                         f"not the trained model's ({len(tokenizer)}), and the guide reads the batch's token ids: give "
-                         "a guide of the same tokenizer (e.g. the base model)")
+        raise SystemExit(f"{flag} {model_dir}: its tokenizer's vocabulary ({len(guide_tokenizer)} entries) is "
+                         f"not the trained model's ({len(tokenizer)}), and it reads the batch's token ids: give "
+                         "a model of the same tokenizer (e.g. the base model)")
+    size = head.embedding_size(model.encoder)
+    if like is not None and (head is not like[0] or size != like[1]):
+        raise SystemExit(f"{flag} {model_dir}: a {head.NAME} model of {size} dimensions, the trained one a "
+                         f"{like[0].NAME} of {like[1]}: its embeddings are not the model's to regress (no projection is "
+                         "built); give a teacher of the same kind and size")
     for p in model.parameters():
         p.requires_grad_(False)
     return model, head

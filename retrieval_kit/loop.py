@@ -69,14 +69,13 @@ def split_batch(batch):
     return inputs, {k: v for k, v in batch.items() if k not in inputs}
 
 
-def with_guide(inputs, guide):
-    """--guide-model: `inputs` with the frozen guide's {"q", "p"} embeddings of the same batch (computed
-    without a graph, length chunk by chunk) as the target "guide" of the loss (losses.biencoder_loss);
-    `inputs` as they are without a guide (None)."""
-    if guide is None:
-        return inputs
+def with_guide(inputs, guide, teacher=None):
+    """--guide-model, --teacher-model: `inputs` with each frozen model's {"q", "p"} embeddings of the same
+    batch (computed without a graph, length chunk by chunk) as the loss's targets "guide" and
+    "teacher_embeddings" (losses.biencoder_loss); `inputs` as they are without either (None)."""
+    frozen = {k: m for k, m in (("guide", guide), ("teacher_embeddings", teacher)) if m is not None}
     with torch.no_grad():
-        return {**inputs, "guide": guide(q=inputs["q"], p=inputs["p"])}
+        return {**inputs, **{k: m(q=inputs["q"], p=inputs["p"]) for k, m in frozen.items()}}
 
 
 # ----- forward + backward of one micro-batch (chosen once, before the loop) -------------------

@@ -216,6 +216,18 @@ def distill_margin_mse(student, teacher, temperature=None, teacher_temperature=N
 DISTILL_LOSSES = {"kl": distill_kl, "margin-mse": distill_margin_mse}  # --distill-loss
 
 
+def embedding_distill(q, p, teacher, metric="mse"):
+    """Embedding distillation: the student's query and passage embeddings (q, p) regress a frozen
+    teacher's of the same texts (`teacher`: {"q", "p"}), by the mean squared error over every number
+    ("mse") or the mean of 1 - cosine over the texts ("cosine"), in fp32: sentence-transformers'
+    MSELoss / EmbedDistillLoss(distance_metric="cosine") over the (query, passage, negatives) columns."""
+    student = torch.cat([q.reshape(q.shape[0], -1), p.reshape(p.shape[0], -1)]).float()
+    target = torch.cat([teacher["q"].reshape(q.shape[0], -1), teacher["p"].reshape(p.shape[0], -1)]).to(student)
+    if metric == "mse":
+        return F.mse_loss(student, target)
+    return (1 - F.cosine_similarity(student, target, dim=-1)).mean()
+
+
 def matryoshka(loss, dims, weights, normalize=True):
     """Matryoshka representation learning (Kusupati et al., 2022) as a wrapper around any loss of
     (q, p, ...) embeddings: the weighted sum over `dims` of `loss` on the first d dimensions of
@@ -296,7 +308,8 @@ def biencoder_loss(out, *, n_passages, temperature=0.05, in_batch=True, gather=N
                    label_offset=0, contrastive=contrastive_loss, scores=contrastive_scores, mask_duplicates=True,
                    distill_weight=0.0, teacher_temperature=1.0, teacher=None, p_keys=None, regularizer=None,
                    distill=distill_kl, directions=("q2p",), joint=True, false_negative_margin=None, guide=None, guide_scores=None,
-                   guide_margin=0.0, guide_relative=False):
+                   guide_margin=0.0, guide_relative=False, teacher_embeddings=None, embedding_weight=1.0,
+                   embedding_metric="mse"):
     """The bi-encoder's step loss: `contrastive` (InfoNCE, or matryoshka(contrastive_loss, ...)) over the
     head's `scores` of this rank's queries against its passages - every rank's when the caller passes
     the gathers (`gather_with_grad`, keeping the graph, and `gather`, without: dist's; then pass
@@ -308,7 +321,8 @@ def biencoder_loss(out, *, n_passages, temperature=0.05, in_batch=True, gather=N
     `regularizer` (sparse: FLOPS) of every rank's queries and passages. `directions` and `joint`: the
     terms of contrastive_loss (the queries and positives of every rank when gathered); the false
     negatives by score left out of every term (false_negative_masks: `false_negative_margin`, the
-    model's own scores; `guide`, a frozen guide's embeddings of the batch).
+    model's own scores; `guide`, a frozen guide's embeddings of the batch); plus embedding_weight x
+    embedding_distill toward a frozen teacher's embeddings of the batch (`teacher_embeddings`).
     Returns (loss, each query's top-1 accuracy (ties count against the positive),
     {"duplicates_masked": candidates left out, "false_negatives_masked" when a rule is on, and the
     regularizer's counts})."""
@@ -333,6 +347,8 @@ def biencoder_loss(out, *, n_passages, temperature=0.05, in_batch=True, gather=N
     if teacher is not None and distill_weight > 0:
         own = scores(q, p, n_passages, in_batch=False)  # (B, n)
         loss = loss + distill_weight * distill(own, teacher, temperature, teacher_temperature)
+    if teacher_embeddings is not None and embedding_weight > 0:  # each rank's own texts: DDP's mean is the global one
+        loss = loss + embedding_weight * embedding_distill(q, p, teacher_embeddings, embedding_metric)
     extra = {}
     if regularizer is not None:
         reg, extra = regularizer(q_all if q_all is not None else gather_with_grad(q) if gathered else q, p_all)

@@ -87,6 +87,39 @@ def on_meta(auto_class, path, dtype, trust_remote_code=False, attn_implementatio
     return model.to(dtype) if dtype is not None else model
 
 
+def keep_layers(model, layers, flag="--init-layers"):
+    """`model` with only the transformer blocks `layers` (indices, ascending) of its largest ModuleList,
+    in place: a student made of every other layer of its teacher, as sentence-transformers' model-
+    distillation example builds one. The config says the new depth (num_hidden_layers, and layer_types
+    where the model has it), and each kept attention its new position (layer_idx). A bad index list is
+    one sentence naming `flag`."""
+    blocks = max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0),
+                 key=lambda m: sum(p.numel() for p in m.parameters()))
+    if list(layers) != sorted(set(layers)) or layers[-1] >= len(blocks):
+        raise SystemExit(f"{flag} {','.join(map(str, layers))}: give layer indices in ascending order, each once, "
+                         f"below the model's {len(blocks)} layers")
+    kept = [blocks[i] for i in layers]
+    for i, block in enumerate(kept):
+        attention = getattr(block, "self_attn", None)
+        if hasattr(attention, "layer_idx"):
+            attention.layer_idx = i
+    del blocks[:]
+    blocks.extend(kept)
+    for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
+        if getattr(config, "num_hidden_layers", None) is not None:
+            config.num_hidden_layers = len(layers)
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = [config.layer_types[i] for i in layers]
+    return model
+
+
+def with_layers(load, layers):
+    """`load` (a loader of load_once's kind) followed by keep_layers(`layers`); `load` itself for None."""
+    if not layers:
+        return load
+    return lambda **kw: keep_layers(load(**kw), layers)
+
+
 def load_once(load, fsdp2, ctx):
     """(model to train, where its weights come from). DDP: `load()` on every rank, moved to its
     device; both are that model. FSDP2: every rank builds `load(meta=True)` (no memory) and rank 0

@@ -70,7 +70,7 @@ def bi_step(model, opt, tok, queries, groups, gather, label_offset, max_norm, us
 
     def loss_fn(out):
         if LOSS_KW:  # the training signals beside InfoNCE (issue 64): the script's loss, with the guide's embeddings
-            return signal_loss(out, guide_reps, dist.negative_gathers(gather, label_offset(per)))
+            return signal_loss(out, frozen_reps, dist.negative_gathers(gather, label_offset(per)))
         p_all = dist.gather_with_grad(out["p"]) if gather else out["p"]
         loss = contrastive_loss(out["q"], p_all, N, TEMP, True, label_offset(per) if gather else 0, scores=HEAD[0].scores)
         if REG:  # --head sparse: FLOPS of every rank's queries and passages
@@ -80,7 +80,7 @@ def bi_step(model, opt, tok, queries, groups, gather, label_offset, max_norm, us
         qb, pb = collate_biencoder(tok, queries[m * per:(m + 1) * per], groups[m * per:(m + 1) * per], 16, 32,
                                    sides=SIDES)
         inputs = {"q": chunk_batch(qb, grad_cache), "p": chunk_batch(pb, grad_cache)}
-        guide_reps = loop.with_guide(inputs, GUIDE[0] if GUIDE else None).get("guide")  # (chunk by chunk)
+        frozen_reps = loop.with_guide(inputs, FROZEN.get("guide"), FROZEN.get("teacher"))  # (chunk by chunk)
         loss, _ = fwd_bwd(model, inputs, loss_fn, accum, m == accum - 1)
         total += loss.item() / accum
     if grads is not None:
@@ -99,19 +99,19 @@ def bi_model(enc):
     return HEAD[0].embedder(enc, SETTINGS)
 
 
-def signal_loss(out, guide_reps, gathers):
-    """losses.biencoder_loss with the signal keywords of the checks under way (LOSS_KW) and the guide's
-    embeddings of this batch: (loss, None)."""
+def signal_loss(out, frozen_reps, gathers):
+    """losses.biencoder_loss with the signal keywords of the checks under way (LOSS_KW) and the frozen
+    models' embeddings of this batch (loop.with_guide: "guide", "teacher_embeddings"): (loss, None)."""
     from retrieval_kit.losses import biencoder_loss
 
-    loss, _, counts = biencoder_loss(out, n_passages=N, temperature=TEMP, scores=HEAD[0].scores, guide=guide_reps,
-                                     guide_scores=HEAD[0].scores if guide_reps is not None else None, **gathers,
-                                     **LOSS_KW)
+    loss, _, counts = biencoder_loss(out, n_passages=N, temperature=TEMP, scores=HEAD[0].scores,
+                                     guide=frozen_reps.get("guide"), guide_scores=HEAD[0].scores,
+                                     teacher_embeddings=frozen_reps.get("teacher_embeddings"), **gathers, **LOSS_KW)
     COUNTS.append(counts.get("false_negatives_masked", torch.zeros(())).item())
     return loss, None
 
 
-LOSS_KW, GUIDE, COUNTS = {}, [], []  # biencoder_loss's signal keywords, a frozen guide, the masked counts seen
+LOSS_KW, FROZEN, COUNTS = {}, {}, []  # biencoder_loss's signal keywords, a frozen guide / teacher, masked counts
 HEAD, REG = [single_vector], []  # the head under test; sparse: its regularizer, FLOPS at full weight (no warm-up)
 EMAS = []  # the EMA of each run (None without), the last one last
 SETTINGS = {"pooling": "avg", "normalize": True, "query_max_length": 16, "passage_max_length": 32}
@@ -136,8 +136,8 @@ def reference_bi(enc0, tok, steps, max_norm, accum=1, world=2, ema=None):
             qb, pb = collate_biencoder(tok, [queries[i] for i in idx], [groups[i] for i in idx], 16, 32, sides=SIDES)
             out = model(q=qb, p=pb)
             if LOSS_KW:
-                guide_reps = loop.with_guide({"q": qb, "p": pb}, GUIDE[0] if GUIDE else None).get("guide")
-                loss = signal_loss(out, guide_reps, {})[0]
+                frozen_reps = loop.with_guide({"q": qb, "p": pb}, FROZEN.get("guide"), FROZEN.get("teacher"))
+                loss = signal_loss(out, frozen_reps, {})[0]
             else:
                 loss = contrastive_loss(out["q"], out["p"], N, TEMP, True, scores=HEAD[0].scores)
             if REG:
@@ -270,7 +270,7 @@ def main():
         g = torch.Generator().manual_seed(7)
         for p in guide_enc.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    GUIDE.append(BiEncoder(guide_enc).eval())
+    FROZEN["guide"] = BiEncoder(guide_enc).eval()
     for name, margin, relative in (("guide_relative", 0.01, True), ("guide_absolute", 0.0, False)):
         LOSS_KW.clear()
         LOSS_KW.update(directions=("q2p", "p2q"), joint=False, guide_margin=margin, guide_relative=relative)
@@ -279,8 +279,16 @@ def main():
         results[f"{name}_counts"] = {"masked": sum(COUNTS), "loss_vs_unguided": abs(ref_g[1][0] - ref[1][0])}
         compare(f"{name}_ddp_vs_single", run_bi(ctx, enc0, tok, steps, "ddp"), ref_g)
         compare(f"{name}_ddp_grad_cache", run_bi(ctx, enc0, tok, steps, "ddp", grad_cache=24), ref_g)
+    # embedding distillation toward a frozen teacher (the guide's weights), beside InfoNCE, cosine metric
+    FROZEN["teacher"] = FROZEN.pop("guide")
     LOSS_KW.clear()
-    GUIDE.clear()
+    LOSS_KW.update(embedding_weight=2.0, embedding_metric="cosine")
+    ref_t = reference_bi(enc0, tok, steps, 1.0)
+    results["teacher_vs_plain"] = {"loss_diff": abs(ref_t[1][0] - ref[1][0])}
+    compare("teacher_ddp_vs_single", run_bi(ctx, enc0, tok, steps, "ddp"), ref_t)
+    compare("teacher_fsdp2_grad_cache", run_bi(ctx, enc0, tok, steps, "fsdp2", grad_cache=24), ref_t)
+    LOSS_KW.clear()
+    FROZEN.clear()
     # control: without the gather each rank only sees its own passages - the check must notice
     compare("control_no_gather", run_bi(ctx, enc0, tok, steps, "ddp", gather=False), ref)
     # --ema-decay (issue 52): the average on 2 ranks (DDP replicas, FSDP2 shards) = one process's; FSDP2's

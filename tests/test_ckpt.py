@@ -132,11 +132,13 @@ def test_multi_vector_and_sparse_sigkill_then_resume_is_bitwise_identical(tiny_m
     """--head multi-vector (the token projection rides in the checkpoints) and --head sparse (the MLM head,
     the FLOPS weights' warm-up read from the loop state), with GradCache's cached gradients replayed:
     killed after step 2, resumed, the same weights and losses as a run in one go. "signals": the training
-    signals of issue 64 together (every loss direction, the Qwen3 rule, a frozen guide, the base itself)."""
+    signals of issue 64 together (every loss direction, the Qwen3 rule, a frozen guide: the base itself; a
+    one-layer student of the base distilled from it)."""
     extra = {"multi-vector": ("--head", head, "--multi-vector-dim", 8),
              "sparse": ("--head", head, "--flops-warmup-steps", 3),
              "signals": ("--loss-directions", "q2p,p2q,q2q,p2p", "--false-negative-margin", 0.0, "--guide-model",
-                         tiny_model_dir, "--guide-margin-strategy", "relative", "--guide-margin", 0.01)}[head]
+                         tiny_model_dir, "--guide-margin-strategy", "relative", "--guide-margin", 0.01,
+                         "--teacher-model", tiny_model_dir, "--distill-embeddings", "cosine", "--init-layers", 1)}[head]
     extra += ("--grad-cache", "--chunk-tokens", 64)
     ref = tmp_path / "ref"
     run_script("train_biencoder.py", bi_args(tiny_model_dir, small_train_file, ref, *extra, "--max-steps", 4))
@@ -154,6 +156,8 @@ def test_multi_vector_and_sparse_sigkill_then_resume_is_bitwise_identical(tiny_m
     else:  # the rules left candidates out, and said so each step
         masked = [r["false_negatives_masked"] for r in read_jsonl(ref / "metrics.jsonl") if r["split"] == "train"]
         assert len(masked) == 4 and all(m > 0 for m in masked), masked
+        config = json.load(open(ref / "final" / "config.json"))  # --init-layers 1: a student of one layer
+        assert config["num_hidden_layers"] == 1 and not any(".layer.1." in k for k in weights(ref))
 
 
 def test_sigterm_saves_a_checkpoint_that_resumes_exactly_reranker(tiny_model_dir, small_train_file, tmp_path):

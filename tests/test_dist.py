@@ -43,7 +43,8 @@ EXACT = ["ddp_vs_single", "fsdp2_vs_single", "fsdp2_no_reshard_vs_single", "ddp_
          "colbert_ddp_vs_single", "colbert_ddp_grad_cache",
          "sparse_ddp_vs_single", "sparse_fsdp2_vs_single", "sparse_ddp_grad_cache",
          "signals_ddp_vs_single", "signals_fsdp2_grad_cache", "guide_relative_ddp_vs_single",
-         "guide_relative_ddp_grad_cache", "guide_absolute_ddp_vs_single", "guide_absolute_ddp_grad_cache"]
+         "guide_relative_ddp_grad_cache", "guide_absolute_ddp_vs_single", "guide_absolute_ddp_grad_cache",
+         "teacher_ddp_vs_single", "teacher_fsdp2_grad_cache"]
 
 
 @pytest.mark.parametrize("check", EXACT)
@@ -68,6 +69,7 @@ def test_the_signal_checks_mask_false_negatives_and_change_the_loss(results):
     assert results["signals_counts"]["masked"] > 0
     for name in ("guide_relative", "guide_absolute"):
         assert results[f"{name}_counts"]["masked"] > 0 and results[f"{name}_counts"]["loss_vs_unguided"] > 1e-4
+    assert results["teacher_vs_plain"]["loss_diff"] > 1e-4  # the distillation term is in the loss
 
 
 def test_the_check_catches_missing_cross_device_negatives(results):

@@ -192,3 +192,64 @@ def test_margin_mse_leaves_out_the_margins_the_teacher_has_no_score_for_and_serv
     loss, _ = reranker_loss({"pairs": student.flatten()}, n_passages=3, distill_weight=2.0, teacher=teacher,
                             distill=distill_margin_mse)
     assert abs(loss.item() - (listwise_loss(student.flatten(), 3).item() + 2.0 * by_hand)) < 1e-5
+
+
+@pytest.mark.parametrize("metric", ["mse", "cosine"])
+def test_embedding_distillation_equals_sentence_transformers_embed_distill_loss(metric):
+    """--teacher-model --distill-embeddings: the student's query and passage embeddings against the
+    teacher's, as MSELoss / EmbedDistillLoss(distance_metric="cosine") over the (query, positive,
+    negatives) columns with per-column teacher embeddings; through biencoder_loss, InfoNCE + weight x it."""
+    from sentence_transformers.sentence_transformer.losses import EmbedDistillLoss, MSELoss
+
+    from retrieval_kit.losses import contrastive_loss, embedding_distill
+
+    q, docs = leaves(6)
+    t_q, t_docs = leaves(7)
+    ref = MSELoss(None) if metric == "mse" else EmbedDistillLoss(None, distance_metric="cosine")
+    theirs = ref.compute_loss_from_embeddings([q] + docs, [t_q.detach()] + [d.detach() for d in t_docs])
+    p = query_major(docs)
+    teacher = {"q": t_q.detach(), "p": query_major(t_docs).detach()}
+    ours = embedding_distill(q, p, teacher, metric)
+    assert_close(ours, theirs, grads_of(ours, [q] + docs), grads_of(theirs, [q] + docs))
+    total, _, _ = biencoder_loss({"q": q, "p": p}, n_passages=N, temperature=TEMP, teacher_embeddings=teacher,
+                                 embedding_weight=3.0, embedding_metric=metric)
+    assert abs(total.item() - (contrastive_loss(q, p, N, TEMP).item() + 3.0 * theirs.item())) < 1e-5
+
+
+def test_init_layers_keeps_those_layers_and_computes_what_they_compute(tiny_decoder_dir):
+    """keep_layers on the real MiniLM (layers 0, 2, 4 of 6): a config of 3 layers, and the hidden states
+    of a 3-layer BERT built from the config and given those layers' weights by name; a decoder's kept
+    attentions renumbered for its cache. A bad list is one sentence."""
+    from retrieval_kit.models import keep_layers, load_encoder, load_tokenizer
+    from tests.conftest import minilm_dir
+
+    model = load_encoder(minilm_dir()).eval()
+    full = load_encoder(minilm_dir()).eval()
+    keep_layers(model, [0, 2, 4])
+    assert model.config.num_hidden_layers == 3 and len(model.encoder.layer) == 3
+    batch = load_tokenizer(minilm_dir())(["apt installs packages", "a shell runs commands"], padding=True,
+                                         return_tensors="pt")
+    import re
+
+    from transformers import BertConfig, BertModel
+
+    renamed = {0: 0, 2: 1, 4: 2}  # the reference: a 3-layer BERT given those layers' weights by name
+    config = BertConfig.from_pretrained(minilm_dir(), num_hidden_layers=3)
+    ref = BertModel(config, add_pooling_layer=True).eval()
+    state = {}
+    for k, v in full.state_dict().items():
+        m = re.match(r"encoder\.layer\.(\d+)\.(.*)", k)
+        if m is None:
+            state[k] = v
+        elif int(m.group(1)) in renamed:
+            state[f"encoder.layer.{renamed[int(m.group(1))]}.{m.group(2)}"] = v
+    missing, unexpected = ref.load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    with torch.no_grad():
+        got, h = model(**batch).last_hidden_state, ref(**batch).last_hidden_state
+    assert (got - h).abs().max().item() < 1e-5
+    with pytest.raises(SystemExit, match=r"--init-layers 4,2: give layer indices in ascending order, each once, below "
+                                         r"the model's 6 layers"):
+        keep_layers(load_encoder(minilm_dir()), [4, 2])
+    decoder = keep_layers(load_encoder(tiny_decoder_dir), [1])
+    assert decoder.config.num_hidden_layers == 1 and decoder.layers[0].self_attn.layer_idx == 0

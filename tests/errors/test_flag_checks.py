@@ -72,6 +72,8 @@ def test_flags_that_cannot_go_together_are_one_sentence(argv, says):
     (["--guide-margin", "0.1"], "--guide-margin: only with --guide-model"),
     (["--guide-margin-strategy", "relative"], "--guide-margin-strategy: only with --guide-model"),
     (["--distill-loss", "margin-mse"], "--distill-loss margin-mse: only with --distill-weight above 0"),
+    (["--distill-embeddings", "cosine"], "--distill-embeddings: only with --teacher-model"),
+    (["--embedding-distill-weight", "2"], "--embedding-distill-weight: only with --teacher-model"),
     (["--distill-loss", "margin-mse", "--distill-weight", "1", "--teacher-temperature", "0.05"],
      "--teacher-temperature with --distill-loss margin-mse"),
 ])
@@ -90,14 +92,21 @@ def test_a_bad_loss_direction_is_one_argparse_line_and_a_reranker_has_none(capsy
     assert e.value.code == 2 and "--loss-directions" in capsys.readouterr().err
 
 
-def test_a_guide_of_another_vocabulary_is_one_sentence(tiny_model_dir, tiny_decoder_dir):
+def test_a_guide_or_teacher_of_another_vocabulary_kind_or_size_is_one_sentence(tiny_model_dir, tiny_decoder_dir):
     from retrieval_kit.evaluate import load_guide
 
     with pytest.raises(SystemExit, match=f"--guide-model {tiny_decoder_dir}: its tokenizer's vocabulary .* is not the "
-                                         "trained model's .*: give a guide of the same tokenizer"):
+                                         "trained model's .*: give a model of the same tokenizer"):
         load_guide(tiny_decoder_dir, load_tokenizer(tiny_model_dir))
     guide, head = load_guide(tiny_model_dir, load_tokenizer(tiny_model_dir))  # the base itself: frozen
     assert head.NAME == "single-vector" and not any(p.requires_grad for p in guide.parameters())
+    from retrieval_kit.heads import multi_vector
+
+    for like, says in (((multi_vector, 32), "a single-vector model of 32 dimensions, the trained one a multi-vector "
+                                            "of 32"), ((head, 16), "the trained one a single-vector of 16")):
+        with pytest.raises(SystemExit, match=f"--teacher-model {tiny_model_dir}: .*{says}: .* give a teacher of the "
+                                             "same kind and size"):
+            load_guide(tiny_model_dir, load_tokenizer(tiny_model_dir), flag="--teacher-model", like=like)
 
 
 def test_warmup_past_the_last_step_is_a_warning(capsys):
