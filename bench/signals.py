@@ -7,8 +7,10 @@ data/ood (nDCG@10), against the default run of the same seed and step count.
 
 Variants: default (InfoNCE, q2p); qwen3 (--false-negative-margin 0.1: a negative the model scores above
 its positive + 0.1 left out); guide (--guide-model = the base, margin 0: GISTEmbed's masks); gte (all four
---loss-directions, one softmax); gte+guide. Writes WORK/signals.json and prints the table, with the mean
-of the seeds and each variant's difference to the default on the mean.
+--loss-directions, one softmax); gte+guide. Also, when named: student (--init-layers 0,2,4: a 3-layer
+MiniLM) and student+teacher (the same distilled from the 6-layer base, --teacher-model); kl and margin-mse
+(--distill-weight 1 from the teacher scores of --scored). Writes WORK/signals.json and prints the table,
+with the mean of the seeds and each variant's difference to the default on the mean.
 """
 
 import argparse
@@ -35,7 +37,14 @@ VARIANTS = {
     "guide": ["--guide-model", "BASE"],
     "gte": ["--loss-directions", "q2p,p2q,q2q,p2p"],
     "gte+guide": ["--loss-directions", "q2p,p2q,q2q,p2p", "--guide-model", "BASE"],
+    # a 3-layer student (layers 0, 2, 4 of MiniLM), alone and distilled from the 6-layer base
+    "student": ["--init-layers", "0,2,4"],
+    "student+teacher": ["--init-layers", "0,2,4", "--teacher-model", "BASE"],
+    # the score distillation terms from the same teacher scores (--scored: python -m retrieval_kit.score's file)
+    "kl": ["--train-file", "SCORED", "--distill-weight", "1", "--teacher-temperature", "0.05"],
+    "margin-mse": ["--train-file", "SCORED", "--distill-weight", "1", "--distill-loss", "margin-mse"],
 }
+DEFAULT_VARIANTS = ["default", "qwen3", "guide", "gte", "gte+guide"]
 
 
 def sh(cmd):
@@ -53,7 +62,8 @@ def evaluate(model, beir, out):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=flags.listed(flags.nonneg_int), default=[42, 43, 44])
-    ap.add_argument("--variants", type=flags.listed(flags.choice(tuple(VARIANTS))), default=list(VARIANTS))
+    ap.add_argument("--variants", type=flags.listed(flags.choice(tuple(VARIANTS))), default=DEFAULT_VARIANTS)
+    ap.add_argument("--scored", default=None, help="the training file with teacher scores (kl, margin-mse)")
     ap.add_argument("--work", default="/tmp/retrieval_kit_signals")
     a = ap.parse_args()
     os.makedirs(a.work, exist_ok=True)
@@ -65,7 +75,7 @@ def main():
             if (name, seed) in done:
                 continue
             run = os.path.join(a.work, f"{name}_{seed}")
-            extra = [base_dir() if x == "BASE" else x for x in VARIANTS[name]]
+            extra = [{"BASE": base_dir(), "SCORED": a.scored}.get(x, x) for x in VARIANTS[name]]
             log = sh(["torchrun", "--nproc_per_node=2", "train_biencoder.py", "--seed", str(seed), "--output-dir", run,
                       "--overwrite-output-dir", "--val-file", "", *extra])
             masked = [json.loads(line).get("false_negatives_masked") for line in open(os.path.join(run, "metrics.jsonl"))
