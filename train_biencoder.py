@@ -76,16 +76,18 @@ def main():
     head, settings = heads.choose(spec, cli.setting_overrides(args), training=True)  # the kind
     cli.head_flags(args, head.NAME, spec=spec)  # its flags' defaults; another head's: one sentence
     tokenizer = load_tokenizer(model_dir, args.trust_remote_code, spec.prepare_tokenizer)
-    load = with_layers(functools.partial(head.load, model_dir, storage_dtype, spec=spec, seed=args.seed,
-                                         **cli.load_settings(args), **cli.head_load_settings(args, head)),
-                       args.init_layers)  # --init-layers: a student of some of its layers
+    load = functools.partial(head.load, model_dir, storage_dtype, spec=spec, seed=args.seed,
+                             **cli.load_settings(args), **cli.head_load_settings(args, head))
+    load = with_layers(load, args.init_layers)  # --init-layers: a student of some of its layers
     encoder, source = load_once(load, args.parallel == "fsdp2", ctx)  # FSDP2: meta, rank 0 loads
     evaluate.prepare(tokenizer, encoder, settings, head, args.append_eos, args.bidirectional,
                      args.pad_to_multiple_of)  # a decoder: pad left, EOS; the lengths checked
-    guide, teacher = (evaluate.load_guide(  # --guide-model, --teacher-model: frozen, or None
-        path, tokenizer, storage_dtype, args.trust_remote_code, ctx.device, autocast_dtype, f"--{flag}-model",
-        like) for path, flag, like in ((args.guide_model, "guide", None),
-                                       (args.teacher_model, "teacher", (head, head.embedding_size(encoder)))))
+    frozen = functools.partial(evaluate.load_guide, tokenizer=tokenizer, dtype=storage_dtype,
+                               trust_remote_code=args.trust_remote_code, device=ctx.device,
+                               compute_dtype=autocast_dtype)  # a frozen embedder of the batch, or None
+    guide = frozen(args.guide_model)  # --guide-model
+    teacher = frozen(args.teacher_model, flag="--teacher-model",
+                     like=(head, head.embedding_size(encoder)))  # --teacher-model
     dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights,
                            head.embedding_size(encoder))
     lora_info = lora.apply_each((encoder, source), train=head.lora_trained,
