@@ -84,7 +84,7 @@ def main():
                      args.pad_to_multiple_of)  # a decoder: pad left, EOS; the lengths checked
     frozen = functools.partial(evaluate.load_guide, tokenizer=tokenizer, dtype=storage_dtype,
                                trust_remote_code=args.trust_remote_code, device=ctx.device,
-                               compute_dtype=autocast_dtype)  # a frozen embedder of the batch, or None
+                               compute_dtype=autocast_dtype)  # frozen embedders, or None
     guide = frozen(args.guide_model)  # --guide-model
     teacher = frozen(args.teacher_model, flag="--teacher-model",
                      like=(head, head.embedding_size(encoder)))  # --teacher-model
