@@ -84,6 +84,7 @@ def report(title, n, unit, results, baseline, flops, peak):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a model dir (default: the bundled all-MiniLM-L6-v2)")
     ap.add_argument("--docs", type=int, default=500)
     ap.add_argument("--pairs", type=int, default=500, help="(query, doc) pairs scored (0: skip the pair side)")
     ap.add_argument("--reps", type=int, default=3)
@@ -97,7 +98,7 @@ def main():
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.cross_encoder import CrossEncoder as STCrossEncoder
 
-    model_dir = default_model_dir()
+    model_dir = args.model or default_model_dir()
     config = AutoConfig.from_pretrained(model_dir)
     tok, model = AutoTokenizer.from_pretrained(model_dir), load_encoder(model_dir).eval()
     with open(os.path.join(ROOT, "data", "eval", "corpus.jsonl")) as f:
