@@ -8,7 +8,8 @@ data/ood (nDCG@10), against the default run of the same seed and step count.
 Variants: default (InfoNCE, q2p); qwen3 (--false-negative-margin 0.1: a negative the model scores above
 its positive + 0.1 left out); guide (--guide-model = the base, margin 0: GISTEmbed's masks); gte (all four
 --loss-directions, one softmax); gte+guide. Also, when named: student (--init-layers 0,2,4: a 3-layer
-MiniLM) and student+teacher (the same distilled from the 6-layer base, --teacher-model); kl and margin-mse
+MiniLM) and student+teacher (the same distilled from the 6-layer base, --teacher-model; -cosine: 10 x (1 - cos),
+where the mse of unit vectors is ~1/384 of it); kl and margin-mse
 (--distill-weight 1 from the teacher scores of --scored). Writes WORK/signals.json and prints the table,
 with the mean of the seeds and each variant's difference to the default on the mean.
 """
@@ -40,6 +41,8 @@ VARIANTS = {
     # a 3-layer student (layers 0, 2, 4 of MiniLM), alone and distilled from the 6-layer base
     "student": ["--init-layers", "0,2,4"],
     "student+teacher": ["--init-layers", "0,2,4", "--teacher-model", "BASE"],
+    "student+teacher-cosine": ["--init-layers", "0,2,4", "--teacher-model", "BASE", "--distill-embeddings", "cosine",
+                               "--embedding-distill-weight", "10"],
     # the score distillation terms from the same teacher scores (--scored: python -m retrieval_kit.score's file)
     "kl": ["--train-file", "SCORED", "--distill-weight", "1", "--teacher-temperature", "0.05"],
     "margin-mse": ["--train-file", "SCORED", "--distill-weight", "1", "--distill-loss", "margin-mse"],
