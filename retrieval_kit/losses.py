@@ -234,13 +234,15 @@ def matryoshka(loss, dims, weights, normalize=True):
     every embedding, re-normalized when the model normalizes (a unit vector's prefix is not one).
     Other arguments pass through to `loss` unchanged."""
 
-    def loss_over_prefixes(q, p, *args, **kwargs):
+    def loss_over_prefixes(q, p, *args, q_all=None, **kwargs):
         total = 0.0
         for d, w in zip(dims, weights):
             qd, pd = q[:, :d], p[:, :d]
+            qd_all = None if q_all is None else q_all[:, :d]  # (every rank's queries, for p2q / q2q)
             if normalize:
                 qd, pd = F.normalize(qd.float(), dim=-1), F.normalize(pd.float(), dim=-1)
-            total = total + w * loss(qd, pd, *args, **kwargs)
+                qd_all = None if qd_all is None else F.normalize(qd_all.float(), dim=-1)
+            total = total + w * loss(qd, pd, *args, **({"q_all": qd_all} if qd_all is not None else {}), **kwargs)
         return total
 
     return loss_over_prefixes
@@ -307,9 +309,9 @@ def false_negative_masks(q, p, n_passages, directions, scores, in_batch, label_o
 def biencoder_loss(out, *, n_passages, temperature=0.05, in_batch=True, gather=None, gather_with_grad=None,
                    label_offset=0, contrastive=contrastive_loss, scores=contrastive_scores, mask_duplicates=True,
                    distill_weight=0.0, teacher_temperature=1.0, teacher=None, p_keys=None, regularizer=None,
-                   distill=distill_kl, directions=("q2p",), joint=True, false_negative_margin=None, guide=None, guide_scores=None,
-                   guide_margin=0.0, guide_relative=False, teacher_embeddings=None, embedding_weight=1.0,
-                   embedding_metric="mse"):
+                   distill=distill_kl, directions=("q2p",), joint=True, false_negative_margin=None, guide=None,
+                   guide_scores=None, guide_margin=0.0, guide_relative=False, teacher_embeddings=None,
+                   embedding_weight=1.0, embedding_metric="mse"):
     """The bi-encoder's step loss: `contrastive` (InfoNCE, or matryoshka(contrastive_loss, ...)) over the
     head's `scores` of this rank's queries against its passages - every rank's when the caller passes
     the gathers (`gather_with_grad`, keeping the graph, and `gather`, without: dist's; then pass
@@ -317,8 +319,8 @@ def biencoder_loss(out, *, n_passages, temperature=0.05, in_batch=True, gather=N
     wherever its text appears again (`mask_duplicates`, from the batch's `p_keys`); plus
     distill_weight x `distill` over each query's own group (in-batch negatives have no teacher score):
     KL(teacher || model), the teacher at `teacher_temperature`, the model at `temperature`, or
-    distill_margin_mse; plus the head's
-    `regularizer` (sparse: FLOPS) of every rank's queries and passages. `directions` and `joint`: the
+    distill_margin_mse; plus the head's `regularizer` (sparse: FLOPS) of every rank's queries and
+    passages. `directions` and `joint`: the
     terms of contrastive_loss (the queries and positives of every rank when gathered); the false
     negatives by score left out of every term (false_negative_masks: `false_negative_margin`, the
     model's own scores; `guide`, a frozen guide's embeddings of the batch); plus embedding_weight x

@@ -253,3 +253,19 @@ def test_init_layers_keeps_those_layers_and_computes_what_they_compute(tiny_deco
         keep_layers(load_encoder(minilm_dir()), [4, 2])
     decoder = keep_layers(load_encoder(tiny_decoder_dir), [1])
     assert decoder.config.num_hidden_layers == 1 and decoder.layers[0].self_attn.layer_idx == 0
+
+
+def test_matryoshka_with_directions_sums_multiple_negatives_ranking_loss_over_the_prefixes():
+    """--matryoshka-dims with --loss-directions: each prefix's queries (every rank's too) and passages,
+    re-normalized, through the same terms: the weighted sum of MNRL on each prefix."""
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    from retrieval_kit.losses import contrastive_loss, matryoshka
+
+    q, docs = leaves(8)
+    ref = MultipleNegativesRankingLoss(None, scale=1 / TEMP, directions=("query_to_doc", "doc_to_query"))
+    theirs = sum(w * ref.compute_loss_from_embeddings([q[:, :d]] + [x[:, :d] for x in docs], None)
+                 for d, w in ((4, 1.0), (8, 0.5)))
+    ours, _, _ = biencoder_loss({"q": q, "p": query_major(docs)}, n_passages=N, temperature=TEMP,
+                                directions=("q2p", "p2q"), contrastive=matryoshka(contrastive_loss, [4, 8], [1.0, 0.5]))
+    assert_close(ours, theirs, grads_of(ours, [q] + docs), grads_of(theirs, [q] + docs))
