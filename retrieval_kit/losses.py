@@ -85,22 +85,21 @@ def own_columns(b, n_passages, directions, in_batch=True, label_offset=0, device
     return {d: own.get(d) for d in directions}
 
 
-def structure_masks(terms, n_passages, in_batch=True, label_offset=0, duplicates=None):
-    """{direction: (B, C) True where a candidate is left out whatever the scores}: the duplicates of the
-    query's positive (duplicate_mask) in q2p and p2p, the query itself in q2q, the positive's own group
-    (itself and its query's hard negatives) in p2p; None where nothing is."""
-    b = next(iter(terms.values())).shape[0]
-    own = own_columns(b, n_passages, terms, in_batch, label_offset, duplicates.device if duplicates is not None
-                      else next(iter(terms.values())).device)
+def structure_masks(b, n_queries, n_cands, n_passages, directions, label_offset=0, duplicates=None, device=None):
+    """{direction: (B, C) True where a candidate is left out whatever the scores} for `b` queries against
+    `n_queries` queries and `n_cands` passages (every rank's): the duplicates of the query's positive
+    (duplicate_mask) in q2p and p2p, the query itself in q2q, the positive's own group (itself and its
+    query's hard negatives) in p2p; None where nothing is. Shapes only: no score is computed."""
+    rows = torch.arange(b, device=device)
+    first = label_offset // n_passages + rows  # this rank's queries among every rank's
     out = {}
-    for d, t in terms.items():
+    for d in directions:
         mask = duplicates if d in ("q2p", "p2p") else None
         if d == "q2q":
-            mask = torch.zeros(t.shape, dtype=torch.bool, device=t.device)
-            mask[torch.arange(b, device=t.device), own[d]] = True
+            mask = torch.zeros((b, n_queries), dtype=torch.bool, device=device)
+            mask[rows, first] = True
         if d == "p2p":
-            first = label_offset // n_passages + torch.arange(b, device=t.device)  # this rank's queries among all
-            group = torch.arange(t.shape[1], device=t.device)[None, :] // n_passages == first[:, None]
+            group = torch.arange(n_cands, device=device)[None, :] // n_passages == first[:, None]
             mask = group if mask is None else mask | group
         out[d] = mask
     return out
@@ -282,11 +281,12 @@ def false_negative_masks(q, p, n_passages, directions, scores, in_batch, label_o
     a frozen guide's (`guide`: its {"q", "p"} of this rank's batch, scored by `guide_scores`, gathered
     like the model's by `gather`), all computed without a graph."""
     with torch.no_grad():
-        terms = direction_scores(q.detach(), p.detach(), n_passages, directions, scores, in_batch, label_offset,
-                                 None if q_all is None else q_all.detach())
-        masks = structure_masks(terms, n_passages, in_batch, label_offset, duplicates)
+        masks = structure_masks(q.shape[0], q.shape[0] if q_all is None else q_all.shape[0], p.shape[0], n_passages,
+                                directions, label_offset, duplicates, q.device)
         by_score = []
-        if false_negative_margin is not None:
+        if false_negative_margin is not None:  # (the model's own scores, only for this rule)
+            terms = direction_scores(q.detach(), p.detach(), n_passages, directions, scores, in_batch, label_offset,
+                                     None if q_all is None else q_all.detach())
             by_score.append(score_masks(terms, n_passages, false_negative_margin, above=True, in_batch=in_batch,
                                         label_offset=label_offset))
         if guide is not None:
@@ -297,7 +297,7 @@ def false_negative_masks(q, p, n_passages, directions, scores, in_batch, label_o
                                        label_offset, gq_all)
             by_score.append(score_masks(g_terms, n_passages, guide_margin, guide_relative, in_batch=in_batch,
                                         label_offset=label_offset))
-        count = torch.zeros((), device=terms["q2p"].device)
+        count = torch.zeros((), device=q.device)
         for extra in by_score:
             for d, m in extra.items():
                 new = m if masks[d] is None else m & ~masks[d]
