@@ -32,7 +32,7 @@ FLAGS = {  # its flags (cli.py adds them to the bi-encoder script's parser; cli.
              "nDCG@10 untrained, docs/pipeline.md) (default: transformers' random init)"),
 }
 LOAD_FLAGS = ("lexical_head_bias",)  # the flags load() takes (cli.head_load_settings)
-SPARSE_BLOCK = 1 << 24  # elements of one chunk of vocabulary logits (64 MiB in fp32)
+SPARSE_BLOCK = 1 << 24  # elements of one chunk of vocabulary logits (64 MiB in fp32), made in the forward alone
 
 
 # ----- the model ---------------------------------------------------------------------------------
@@ -125,30 +125,87 @@ def lora_trained(model):
     return [p for p in vocab_head(model).parameters() if id(p) not in tied]
 
 
-def _splade_chunk(head, hidden, mask):
-    logits = head(hidden).float()  # (B, chunk, V)
-    return (torch.log1p(torch.relu(logits)) * mask.unsqueeze(-1).to(logits.dtype)).amax(1)
+def head_input(model, hidden):
+    """The vocabulary head up to the Linear that makes its logits (get_output_embeddings): BERT's transform
+    (dense, activation, norm); a decoder's lm_head is that Linear itself (its input: the hidden states)."""
+    head, out = vocab_head(model), model.get_output_embeddings()
+    if head is out:
+        return hidden
+    parent, name = next((m, n) for m in head.modules() for n, c in m.named_children() if c is out)
+    setattr(parent, name, torch.nn.Identity())  # (the head's forward with its last Linear left out)
+    try:
+        return head(hidden)
+    finally:
+        setattr(parent, name, out)
 
 
-def sparse_vectors(model, batch, budget=SPARSE_BLOCK):
+class SpladeMax(torch.autograd.Function):
+    """log(1 + relu(max over the text's real tokens of t @ W.T + b)) per vocabulary entry: SpladePooling's
+    max of log(1 + relu(logits)), since log1p and relu never lower an order. The forward makes the (B, chunk, V)
+    logits `step` positions at a time and keeps, per text and entry, only the largest logit and its position;
+    it saves the active entries alone (a handful per text). The backward is sparse: an active entry's
+    gradient reaches the one position that made it (d log1p(x) / dx = 1 / (1 + x)), so t's and W's gradients
+    are index-adds over the active entries, the logits never made again. `twice`: log1p applied twice
+    (sentence-transformers' log1p_relu activation). Ties between two positions give the whole gradient to
+    the first (torch.amax splits it)."""
+
+    @staticmethod
+    def forward(ctx, t, mask, weight, bias, step, twice):
+        b, length, _ = t.shape
+        best = torch.full((b, weight.shape[0]), float("-inf"), device=t.device)
+        where = torch.zeros(best.shape, dtype=torch.long, device=t.device)
+        for s in range(0, length, step):
+            logits = torch.nn.functional.linear(t[:, s:s + step], weight, bias).float()
+            logits.masked_fill_(~mask[:, s:s + step, None].bool(), float("-inf"))
+            top, pos = logits.max(1)
+            del logits
+            ahead = top > best
+            best = torch.where(ahead, top, best)
+            where = torch.where(ahead, pos + s, where)
+        out = torch.log1p(torch.relu(best))
+        if twice:
+            out = torch.log1p(out)
+        rows, cols = (best > 0).nonzero(as_tuple=True)
+        ctx.save_for_backward(t, weight, rows, cols, where[rows, cols], best[rows, cols])
+        ctx.twice, ctx.bias_shape = twice, None if bias is None else bias.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        t, weight, rows, cols, pos, top = ctx.saved_tensors
+        g = grad_out[rows, cols].float() / (1 + top)  # d log1p(x) / dx at the entry's largest logit
+        if ctx.twice:
+            g = g / (1 + torch.log1p(top))
+        b, length, width = t.shape
+        at = rows * length + pos  # the position each active entry came from, in the flattened (B * L) texts
+        block = max(1, SPARSE_BLOCK // max(1, width))  # (active entries x hidden) at a time
+        grad_t = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            flat = torch.zeros(b * length, width, dtype=torch.float32, device=t.device)
+            for s in range(0, len(g), block):
+                flat.index_add_(0, at[s:s + block], g[s:s + block, None] * weight[cols[s:s + block]].float())
+            grad_t = flat.view(b, length, width).to(t.dtype)
+        if ctx.needs_input_grad[2]:
+            flat_t = t.reshape(b * length, width)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=t.device)
+            for s in range(0, len(g), block):
+                grad_w.index_add_(0, cols[s:s + block], g[s:s + block, None] * flat_t[at[s:s + block]].float())
+            grad_w = grad_w.to(weight.dtype)
+        if ctx.bias_shape is not None and ctx.needs_input_grad[3]:
+            grad_b = torch.zeros(ctx.bias_shape, dtype=torch.float32, device=t.device).index_add_(0, cols, g)
+        return grad_t, None, grad_w, grad_b, None, None
+
+
+def sparse_vectors(model, batch, budget=SPARSE_BLOCK, twice=False):
     """log(1 + relu(vocabulary logits)) of each real token, max over the text's tokens: (B, V) fp32, as
-    sentence-transformers' SpladePooling (max, relu). The logits are made in length chunks of at most
-    `budget` elements, each chunk recomputed in the backward under autograd: (B, L, V) never exists at once."""
-    from torch.utils.checkpoint import checkpoint
-
+    sentence-transformers' SpladePooling (max, relu; `twice`: log1p_relu). The logits are made `budget`
+    elements at a time and never kept (SpladeMax): (B, L, V) never exists, and the backward is sparse."""
     extra = {k: batch[k] for k in ("token_type_ids", "position_ids") if k in batch}
     hidden = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                               **extra).last_hidden_state
-    head, mask = vocab_head(model), batch["attention_mask"]
-    b, length = mask.shape
-    step = max(1, budget // max(1, b * model.get_output_embeddings().weight.shape[0]))
-    grad = torch.is_grad_enabled()
-    out = None
-    for s in range(0, length, step):
-        h, m = hidden[:, s:s + step], mask[:, s:s + step]
-        w = checkpoint(_splade_chunk, head, h, m, use_reentrant=False) if grad else _splade_chunk(head, h, m)
-        out = w if out is None else torch.maximum(out, w)
-    return out
+    out, mask = model.get_output_embeddings(), batch["attention_mask"]
+    step = max(1, budget // max(1, mask.shape[0] * out.weight.shape[0]))
+    return SpladeMax.apply(head_input(model, hidden), mask, out.weight, out.bias, step, twice)
 
 
 class Splade(torch.nn.Module):
@@ -316,8 +373,9 @@ def write_export(stage, model, settings, head_weights, out_dir):
 def memory_note(model):
     vocab = model.get_output_embeddings().weight.shape[0]
     return (f"sparse head: vocabulary logits ({vocab:,} a token) made in length chunks of at most {SPARSE_BLOCK:,} "
-            f"numbers ({SPARSE_BLOCK * 4 / 2 ** 20:.0f} MiB in fp32), each recomputed in the backward; the "
-            f"vectors: (ranks x (queries + passages)) x {vocab:,} fp32 numbers a step, gathered")
+            f"numbers ({SPARSE_BLOCK * 4 / 2 ** 20:.0f} MiB in fp32) and never kept (SpladeMax: the backward reads "
+            f"the active entries alone); the vectors: (ranks x (queries + passages)) x {vocab:,} fp32 numbers a "
+            "step, gathered")
 
 
 # ----- its dir: sentence-transformers' SparseEncoder ---------------------------------------------

@@ -26,25 +26,58 @@ def direct_splade(model, batch):
     return (torch.log1p(torch.relu(logits)) * batch["attention_mask"][..., None]).amax(1)
 
 
-def test_sparse_vectors_in_length_chunks_equal_the_whole_logits_and_keep_none_for_the_backward(mlm, tokenizer):
+@pytest.mark.parametrize("twice", [False, True])
+def test_sparse_vectors_in_length_chunks_equal_the_whole_logits_and_keep_no_vocabulary_array(mlm, tokenizer, twice):
+    """SpladeMax against the whole (B, L, V) logits under autograd: values, and every parameter's gradient
+    under a loss that weighs each entry differently; it saves no (B, V)-sized array, let alone (B, L, V)."""
     from retrieval_kit.heads.sparse import sparse_vectors
 
     batch = tokenizer(["how do i list files in a directory", "zstd"], padding=True, return_tensors="pt")
     ref = direct_splade(mlm, batch)
+    ref = torch.log1p(ref) if twice else ref  # sentence-transformers' log1p_relu
     vocab = mlm.get_output_embeddings().weight.shape[0]
+    params = {p.data_ptr() for p in mlm.parameters()}
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
-        got = sparse_vectors(mlm, batch, budget=2 * 2 * vocab)  # two tokens a chunk
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(0 if t.data_ptr() in params else t.numel()) or t, lambda t: t):
+        got = sparse_vectors(mlm, batch, budget=2 * 2 * vocab, twice=twice)  # two tokens a chunk
     assert torch.allclose(got, ref, atol=1e-6) and (ref > 0).any()
-    assert max(saved) < batch["input_ids"].shape[1] * 2 * vocab  # no (B, L, V) logits kept
-    got.sum().backward()
+    assert max(saved) < batch["input_ids"].shape[0] * vocab  # not one (B, V) array kept, nor (B, L, V) logits
+    weigh = torch.rand(got.shape, generator=torch.Generator().manual_seed(0))
+    (got * weigh).sum().backward()
     grads = {n: p.grad.clone() for n, p in mlm.named_parameters() if p.grad is not None}
     mlm.zero_grad()
-    direct_splade(mlm, batch).sum().backward()
-    for n, p in mlm.named_parameters():
+    ref_again = direct_splade(mlm, batch)
+    ((torch.log1p(ref_again) if twice else ref_again) * weigh).sum().backward()
+    assert grads.keys() == {n for n, p in mlm.named_parameters() if p.grad is not None}
+    for n, p in mlm.named_parameters():  # (within 1e-5 of each gradient's largest entry: the sums differ in order)
         if p.grad is not None:
-            assert torch.allclose(grads[n], p.grad, atol=1e-5, rtol=1e-4), n
+            assert (grads[n] - p.grad).abs().max() <= 1e-5 * p.grad.abs().max() + 1e-7, n
     mlm.zero_grad()
+
+
+def test_sparse_vectors_of_a_decoder_read_its_lm_head_as_the_logits(tokenizer):
+    """A decoder's lm_head is the output Linear itself (no transform before it): the same vectors and
+    gradients as log(1 + relu(logits)) max-pooled from the model's own forward."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from retrieval_kit.heads.sparse import sparse_vectors
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    batch = tokenizer(["how do i list files", "zstd"], padding=True, return_tensors="pt")
+    batch = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    got = sparse_vectors(model, batch, budget=3 * 2 * cfg.vocab_size)
+    got.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    ref = direct_splade(model, batch)
+    ref.sum().backward()
+    assert torch.allclose(got, ref, atol=1e-6) and (ref > 0).any()
+    for n, p in model.named_parameters():
+        assert (grads[n] - p.grad).abs().max() <= 1e-5 * p.grad.abs().max() + 1e-7, n
 
 
 def test_flops_is_the_squared_mean_weight_summed_and_warms_up_quadratically():
