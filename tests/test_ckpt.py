@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from retrieval_kit import ckpt
-from tests.conftest import process_tree, python_run, read_jsonl, ROOT, run_script
+from tests.conftest import process_tree, python_run, read_jsonl, ROOT, run_script, save_published_splade
 
 pytestmark = pytest.mark.slow  # every test here runs a script, a kill or a 2-rank launch
 
@@ -129,8 +129,8 @@ def test_sigkill_then_resume_is_bitwise_identical(bi_ref, tiny_model_dir, small_
 @pytest.mark.parametrize("head", ["multi-vector", "sparse", "signals"])
 def test_multi_vector_and_sparse_sigkill_then_resume_is_bitwise_identical(tiny_model_dir, small_train_file, tmp_path,
                                                                           head):
-    """--head multi-vector (the token projection rides in the checkpoints) and --head sparse (the MLM head,
-    the FLOPS weights' warm-up read from the loop state), with GradCache's cached gradients replayed:
+    """--head multi-vector (the token projection rides in the checkpoints) and --head sparse (SPLADE-tiny from
+    a published-layout dir: the MLM head, the FLOPS weights' warm-up read from the loop state), with GradCache's cached gradients replayed:
     killed after step 2, resumed, the same weights and losses as a run in one go. "signals": the training
     signals of issue 64 together (every loss direction, the Qwen3 rule, a frozen guide: the base itself; a
     one-layer student of the base distilled from it)."""
@@ -140,9 +140,11 @@ def test_multi_vector_and_sparse_sigkill_then_resume_is_bitwise_identical(tiny_m
                          tiny_model_dir, "--guide-margin-strategy", "relative", "--guide-margin", 0.01,
                          "--teacher-model", tiny_model_dir, "--distill-embeddings", "cosine", "--init-layers", 1)}[head]
     extra += ("--grad-cache", "--chunk-tokens", 64)
+    # sparse: a real SPLADE (SPLADE-tiny) in the layout published ones have (MLMTransformer, log1p_relu)
+    model = save_published_splade(tmp_path / "splade", "log1p_relu") if head == "sparse" else tiny_model_dir
     ref = tmp_path / "ref"
-    run_script("train_biencoder.py", bi_args(tiny_model_dir, small_train_file, ref, *extra, "--max-steps", 4))
-    args = bi_args(tiny_model_dir, small_train_file, tmp_path / "run", *extra)
+    run_script("train_biencoder.py", bi_args(model, small_train_file, ref, *extra, "--max-steps", 4))
+    args = bi_args(model, small_train_file, tmp_path / "run", *extra)
     proc = launch("train_biencoder.py", args + ["--max-steps", 100000])
     rc, _, _ = kill_after_checkpoint(proc, tmp_path / "run" / "step_000002", signal.SIGKILL)
     assert rc == -signal.SIGKILL

