@@ -11,13 +11,16 @@ process loads the model, takes `--warmup` untimed steps and `--steps` timed ones
 step time, the peak RSS (ru_maxrss) and "step MB", how far the peak rises above the RSS before the
 first step. The table holds the medians over the rounds. A step is the training script's at its
 defaults: 16 queries (32 tokens) with a positive and a hard negative each (128 tokens), in-batch and hard
-negatives, the FLOPS regularizer (5e-5 / 3e-5), fused AdamW, fp32, one process.
+negatives, the FLOPS regularizer (5e-5 / 3e-5), fused AdamW, fp32 (`--compute-dtype bf16`: the forward
+under bf16 autocast, as the scripts' default on a CPU with AVX512-BF16 or AMX), one process.
 
 Sides: "kit" (SpladeMax, sparse_vectors as the script runs it); "before" (the chunked, checkpointed
 logits the kit ran up to this change, kept here as the reference); "st" (SparseEncoder(Transformer fill-mask,
 SpladePooling max) and SpladeLoss(SparseMultipleNegativesRankingLoss), the loss its trainer calls);
 "dense" (MiniLM, one mean-pooled vector, InfoNCE at 0.05). "head" rows: the vocabulary head alone from
-fixed hidden states (forward and backward), its own memory and time, for kit / before / st.
+fixed hidden states (forward and backward), its own memory and time, for kit / before / st; "head's
+tensors MB" is the most tensor memory it holds at once (torch's profiler with profile_memory), the
+measure RSS blurs with the allocator's caching.
 """
 
 import argparse
@@ -53,7 +56,10 @@ def rss_mb():
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
 
 
-def before_vectors(model, batch, budget=sparse.SPARSE_BLOCK):
+BEFORE_BLOCK = 1 << 24  # the chunk of logits the kit made up to issue 65 (64 MiB in fp32)
+
+
+def before_vectors(model, batch, budget=BEFORE_BLOCK):
     """The kit's sparse_vectors up to issue 65: length chunks of the logits, each checkpointed."""
     from torch.utils.checkpoint import checkpoint
 
@@ -146,7 +152,9 @@ def run_side(model_name, side, a):
         if i == a.warmup:
             before = rss_mb()
         t0 = time.perf_counter()
-        step_loss(q, p).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.compute_dtype == "bf16"):
+            loss = step_loss(q, p)
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if i >= a.warmup:
@@ -169,7 +177,7 @@ def run_head(model_name, side, a):
         hidden = model.base_model(**p).last_hidden_state
     mask = p["attention_mask"]
     out = model.get_output_embeddings()
-    step = max(1, sparse.SPARSE_BLOCK // (mask.shape[0] * out.weight.shape[0]))
+    step = max(1, (sparse.SPARSE_BLOCK if side == "kit" else BEFORE_BLOCK) // (mask.shape[0] * out.weight.shape[0]))
     weigh = torch.rand(mask.shape[0], out.weight.shape[0])
 
     def once():
@@ -202,7 +210,27 @@ def run_head(model_name, side, a):
         once()
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"step_s": statistics.median(times), "peak_mb": peak, "step_mb": peak - before}
+    head_params = {id(p): p for p in list(sparse.vocab_head(model).parameters()) + [out.weight]}
+    return {"step_s": statistics.median(times), "peak_mb": peak, "step_mb": peak - before,
+            "alloc_mb": allocated_peak_mb(once),
+            "grads_mb": sum(p.numel() * 4 for p in head_params.values()) / 2 ** 20}
+
+
+def allocated_peak_mb(fn):
+    """The largest total of tensor memory `fn` holds at once beyond what was allocated before it (torch's
+    profiler, profile_memory: the allocator's running total at each allocation and free), in MB."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+        with open(os.path.join(tmp, "trace.json")) as f:
+            events = json.load(f)["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    return max(totals, default=0) / 2 ** 20
 
 
 def main():
@@ -214,28 +242,36 @@ def main():
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--compute-dtype", choices=("none", "bf16"), default="none",
+                    help="bf16: the step's forward under bf16 autocast over fp32 weights (the scripts' default on a "
+                         "CPU with AVX512-BF16 or AMX), every side alike")
+    ap.add_argument("--what", nargs="+", default=["step", "head"], choices=("step", "head"))
     ap.add_argument("--only", nargs=3, metavar=("WHAT", "MODEL", "SIDE"), help="(internal) one process")
     a = ap.parse_args()
     if a.only:
         what, model_name, side = a.only
         print(json.dumps((run_head if what == "head" else run_side)(model_name, side, a)))
         return
-    jobs = [("step", "minilm", "dense")] + [(w, m, s) for m in a.models for w in ("step", "head") for s in a.sides]
+    jobs = ([("step", "minilm", "dense")] if "step" in a.what else []) + [
+        (w, m, s) for m in a.models for w in a.what for s in a.sides]
     got = {j: [] for j in jobs}
     for _ in range(a.rounds):
         for j in jobs:
             cmd = [sys.executable, __file__, "--only", *j, "--batch-size", str(a.batch_size), "--steps", str(a.steps),
-                   "--warmup", str(a.warmup)]
+                   "--warmup", str(a.warmup), "--compute-dtype", a.compute_dtype]
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode:
                 raise SystemExit(f"{j} failed:\n{res.stderr[-3000:]}")
             got[j].append(json.loads(res.stdout.strip().splitlines()[-1]))
             print(j, got[j][-1], flush=True)
-    print(f"\n{torch.__version__}, {os.cpu_count()} cores, {a.rounds} rounds x {a.steps} steps, batch {a.batch_size}")
-    print("| what | model | side | step s | peak MB | step MB |\n|---|---|---|---|---|---|")
+    print(f"\n{torch.__version__}, {os.cpu_count()} cores, {a.rounds} rounds x {a.steps} steps, batch {a.batch_size}, "
+          f"compute dtype {a.compute_dtype}")
+    print("| what | model | side | step s | peak MB | step MB | head's tensors MB (its parameters' gradients) |\n"
+          "|---|---|---|---|---|---|---|")
     for (what, m, s), rows in got.items():
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        print(f"| {what} | {m} | {s} | {med['step_s']:.3f} | {med['peak_mb']:.0f} | {med['step_mb']:.0f} |")
+        alloc = f"{med['alloc_mb']:.0f} ({med['grads_mb']:.0f})" if "alloc_mb" in med else "-"
+        print(f"| {what} | {m} | {s} | {med['step_s']:.3f} | {med['peak_mb']:.0f} | {med['step_mb']:.0f} | {alloc} |")
 
 
 if __name__ == "__main__":

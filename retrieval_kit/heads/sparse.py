@@ -35,7 +35,7 @@ LOAD_FLAGS = ("lexical_head_bias",)  # the flags load() takes (cli.head_load_set
 ACTIVATIONS = {"relu": False, "log1p_relu": True}  # SpladePooling's activation_function -> log1p applied twice
 SETTINGS = {"splade_activation": "relu"}  # the dir's SpladePooling activation (read_sparse), kept by the export
 RECORD_FIELDS = {"splade_activation": (lambda v: v in ACTIVATIONS, " or ".join(ACTIVATIONS))}
-SPARSE_BLOCK = 1 << 24  # elements of one chunk of vocabulary logits (64 MiB in fp32), made in the forward alone
+SPARSE_BLOCK = 1 << 22  # elements of one chunk of vocabulary logits (16 MiB in fp32), made in the forward alone
 
 
 # ----- the model ---------------------------------------------------------------------------------
@@ -162,9 +162,9 @@ class SpladeMax(torch.autograd.Function):
             logits.masked_fill_(~mask[:, s:s + step, None].bool(), float("-inf"))
             top, pos = logits.max(1)
             del logits
-            ahead = top > best
-            best = torch.where(ahead, top, best)
-            where = torch.where(ahead, pos + s, where)
+            ahead = top > best  # (in place below: no (B, V) array made per chunk)
+            torch.where(ahead, pos.add_(s), where, out=where)
+            torch.maximum(best, top, out=best)
         out = torch.log1p(torch.relu(best))
         if twice:
             out = torch.log1p(out)
