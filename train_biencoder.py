@@ -75,7 +75,7 @@ def main():
     spec = heads.read_spec(model_dir)  # what the dir holds, validated as a whole
     head, settings = heads.choose(spec, cli.setting_overrides(args), training=True)  # the kind
     cli.head_flags(args, head.NAME, spec=spec)  # its flags' defaults; another head's: one sentence
-    tokenizer = load_tokenizer(model_dir, args.trust_remote_code, spec.prepare_tokenizer)
+    tokenizer = load_tokenizer(spec.model_path, args.trust_remote_code, spec.prepare_tokenizer)
     load = functools.partial(head.load, model_dir, storage_dtype, spec=spec, seed=args.seed,
                              **cli.load_settings(args), **cli.head_load_settings(args, head))
     load = with_layers(load, args.init_layers)  # --init-layers: a student of some of its layers
@@ -94,6 +94,7 @@ def main():
                                 **cli.lora_settings(args, model_dir, storage_dtype))
     resume_dir = rundir.start_run(**cli.resume_request(args), run_args=vars(args),
                                   neutral=cli.run_neutral())
+    head.start_from_data(source, records.passage_pool(files), tokenizer)  # sparse: static query IDF
     ckpt.restore_model(source, resume_dir, storage_dtype)  # a resume: weights -> cast
 
     # ----- wrap: activation checkpointing -> compile -> DDP or FSDP2 (a world of 1 too) -------

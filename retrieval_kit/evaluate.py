@@ -63,7 +63,7 @@ def load_biencoder(model_dir, flags=None, dtype=torch.float32, trust_remote_code
     `compute_dtype` (None: none); its settings as heads.biencoder_settings resolves them from `flags`."""
     spec = heads.read_spec(model_dir)
     head, settings = heads.choose(spec, flags or {})
-    tokenizer = load_tokenizer(model_dir, trust_remote_code, spec.prepare_tokenizer)
+    tokenizer = load_tokenizer(spec.model_path, trust_remote_code, spec.prepare_tokenizer)
     model = head.load(model_dir, dtype, spec=spec, trust_remote_code=trust_remote_code).to(device)
     precision.autocast_forward(model, torch.device(device).type, compute_dtype)
     prepare(tokenizer, model, dict(settings), head)  # a decoder: pad token, left padding, EOS for last pooling

@@ -156,7 +156,7 @@ def load(path, own=None, seed=0, like=None):
         return heads.get(name).load(path), load_tokenizer(path), {}, heads.get(name)
     head, settings = heads.choose(spec, {"head": name})
     model = head.load(path, spec=spec, seed=seed, **heads.load_args(head, {**settings, **(own or {})}))
-    return model, load_tokenizer(path, prepare=spec.prepare_tokenizer), {**spec.kit, **settings}, head
+    return model, load_tokenizer(spec.model_path, prepare=spec.prepare_tokenizer), {**spec.kit, **settings}, head
 
 
 def base_state(path, like, own=None):

@@ -97,7 +97,7 @@ def main(argv=None):
     cli.head_flags(a, head.NAME, "the plan's", spec)  # a flag of another head, or against the dir's: one sentence
     storage, _, _ = resolve(a.torch_dtype, a.force_fp32_params, "none", a.parallel, a.lora_rank > 0)
     model = head.load(a.model, storage, meta=True, spec=spec, **cli.head_load_settings(a, head))
-    assumed = defaulted_shape(a.model, model.config)
+    assumed = defaulted_shape(spec.model_path, model.config)
     if assumed:
         print(f"note: {a.model}/config.json does not set {', '.join(assumed)}: planned with transformers' defaults "
               f"for {model.config.model_type} ({', '.join(f'{k} {v}' for k, v in assumed.items())})")

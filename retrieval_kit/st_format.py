@@ -245,6 +245,12 @@ class DirSpec:
     st: dict = field(default_factory=dict)  # its sentence-transformers settings, in the kit's keys
     own: dict = field(default_factory=dict)  # the head's own part (heads/*.read_dir): its modules' configs
 
+    @property
+    def model_path(self):
+        """Where the dir's Hugging Face model and tokenizer are: the dir, or the folder its head names
+        (own["model_dir"]: an inference-free Router keeps its document model in a module folder)."""
+        return os.path.join(self.path, self.own["model_dir"]) if self.own.get("model_dir") else self.path
+
     def prepare_tokenizer(self, tokenizer):
         """What the dir asks of its tokenizer, its head's steps (own["tokenizer"]: e.g. PyLate's prefix markers
         kept whole tokens): models.load_tokenizer(path, prepare=spec.prepare_tokenizer)."""

@@ -46,7 +46,12 @@ def kill_after_checkpoint(proc, ckpt_dir, sig, timeout=300):
 
 
 def weights(run_dir):
-    return load_file(os.path.join(run_dir, "final", "model.safetensors"))
+    """The export's weights (an inference-free sparse export: its document model's and its query weights)."""
+    final = os.path.join(run_dir, "final")
+    if os.path.isfile(os.path.join(final, "router_config.json")):
+        return {**load_file(os.path.join(final, "document_0_Transformer", "model.safetensors")),
+                "query": load_file(os.path.join(final, "query_0_SparseStaticEmbedding", "model.safetensors"))["weight"]}
+    return load_file(os.path.join(final, "model.safetensors"))
 
 
 def losses(run_dir):
@@ -130,12 +135,13 @@ def test_sigkill_then_resume_is_bitwise_identical(bi_ref, tiny_model_dir, small_
 def test_multi_vector_and_sparse_sigkill_then_resume_is_bitwise_identical(tiny_model_dir, small_train_file, tmp_path,
                                                                           head):
     """--head multi-vector (the token projection rides in the checkpoints) and --head sparse (SPLADE-tiny from
-    a published-layout dir: the MLM head, the FLOPS weights' warm-up read from the loop state), with GradCache's cached gradients replayed:
+    a published-layout dir, inference-free: the MLM head, the query weights, the FLOPS weights' warm-up read
+    from the loop state), with GradCache's cached gradients replayed:
     killed after step 2, resumed, the same weights and losses as a run in one go. "signals": the training
     signals of issue 64 together (every loss direction, the Qwen3 rule, a frozen guide: the base itself; a
     one-layer student of the base distilled from it)."""
     extra = {"multi-vector": ("--head", head, "--multi-vector-dim", 8),
-             "sparse": ("--head", head, "--flops-warmup-steps", 3),
+             "sparse": ("--head", head, "--flops-warmup-steps", 3, "--query-encoder", "static"),
              "signals": ("--loss-directions", "q2p,p2q,q2q,p2p", "--false-negative-margin", 0.0, "--guide-model",
                          tiny_model_dir, "--guide-margin-strategy", "relative", "--guide-margin", 0.01,
                          "--teacher-model", tiny_model_dir, "--distill-embeddings", "cosine", "--init-layers", 1)}[head]
@@ -154,7 +160,7 @@ def test_multi_vector_and_sparse_sigkill_then_resume_is_bitwise_identical(tiny_m
         dense = [load_file(os.path.join(d, "final", "1_Dense", "model.safetensors")) for d in (ref, tmp_path / "run")]
         assert torch.equal(dense[0]["linear.weight"], dense[1]["linear.weight"])
     elif head == "sparse":
-        assert any(k.startswith("cls.") for k in weights(ref))  # the vocabulary head is in the model
+        assert any(k.startswith("cls.") for k in weights(ref)) and "query" in weights(ref)  # its head, its queries
     else:  # the rules left candidates out, and said so each step
         masked = [r["false_negatives_masked"] for r in read_jsonl(ref / "metrics.jsonl") if r["split"] == "train"]
         assert len(masked) == 4 and all(m > 0 for m in masked), masked

@@ -38,6 +38,7 @@ Embedding heads (train_biencoder.py; the step runs `head.embedder(...)`, scored 
   empty_rows(stored)             how many stored vectors are all zero (a sparse model that activates nothing)
   regularizer(flags, state, count_scale, max_steps)   a term added to the loss (sparse: FLOPS) or None
   split_export(weights)          pop the head's own module weights from the model's state dict
+  start_from_data(model, texts, tokenizer)   set what starts from the training passages (sparse: the IDF)
   write_export(stage, model, settings, head_weights, out_dir)   its sentence-transformers files ->
                                  {"files": bool, "warnings": [...]}
   memory_note(model)             a line for python -m retrieval_kit.plan, or None
@@ -94,6 +95,7 @@ DEFAULTS = {  # what a head leaves out reads as this: the defaults of the interf
     "corpus_stats": lambda q, p: {}, "empty_rows": lambda stored: 0,  # (a normalized vector is never all zero)
     "regularizer": lambda flags, state, count_scale=1.0, max_steps=0: None,  # no loss term of its own
     "split_export": lambda weights: {},  # no module weights of its own
+    "start_from_data": lambda model, texts, tokenizer: None,  # nothing of it set from the training data
     "memory_note": lambda model: None,  # nothing beyond the plan
     "token_ids": lambda tokenizer, words: None,  # no vocabulary rows read
     "finish_export": lambda stage, settings, trust_remote_code, seq_cls: settings,  # nothing written afterwards
@@ -153,11 +155,14 @@ def read_spec(model_dir):
         if part is not None:
             (st, own), found = part, head.NAME
             break
-    hidden = hidden_size_of(model_dir)
+    head = kit.get("head") or found or (EMBEDDING[0] if kit.get("kind") == "biencoder" else None)
+    spec = DirSpec(model_dir, head, kit, st, own)
+    if spec.model_path != model_dir:  # (a Router dir: its document model in a module folder)
+        check_hf_files(spec.model_path)
+    hidden = hidden_size_of(spec.model_path)
     for linear, what in own.get("linear", []):
         check_linear(model_dir, linear, hidden, what)
-    head = kit.get("head") or found or (EMBEDDING[0] if kit.get("kind") == "biencoder" else None)
-    return DirSpec(model_dir, head, kit, st, own)
+    return spec
 
 
 def resolve_head(spec, flags, defaults=None):

