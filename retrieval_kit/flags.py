@@ -133,8 +133,9 @@ def model_path(text):
         if not os.path.isdir(path):
             raise argparse.ArgumentTypeError(f"no such directory: {text}" if not os.path.exists(path)
                                              else f"not a directory: {text}")
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise argparse.ArgumentTypeError(f"{text} holds no config.json: not a Hugging Face model dir")
+        if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "router_config.json")):
+            raise argparse.ArgumentTypeError(f"{text} holds no config.json: not a Hugging Face model dir (nor a "
+                                             "sentence-transformers Router dir: router_config.json)")
         return path
     return text
 

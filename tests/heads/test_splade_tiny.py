@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, read_jsonl, run_module, run_script
+from conftest import ROOT, python_run, read_jsonl, run_module, run_script
 
 
 def kit_and_st(model_dir, queries, docs):
@@ -173,6 +173,14 @@ def test_inference_free_training_exports_a_router_dir_read_alike(published_splad
     kit, theirs, _ = kit_and_st(final, queries, docs)
     for side, a, b in zip(("queries", "passages"), kit, theirs):
         assert (a - b).abs().amax(1).max() <= 1e-4, side
+    again = ["--model", final, "--train-file", small_train_file, "--val-file", "", "--batch-size", 4, "--max-steps", 1,
+             "--passage-max-length", 64, "--lr", 1e-9, "--output-dir", tmp_path / "again"]  # a Router dir as a start
+    run_script("train_biencoder.py", again)
+    kept = load_file(os.path.join(tmp_path / "again" / "final", "query_0_SparseStaticEmbedding", "model.safetensors"))
+    assert torch.allclose(kept["weight"], weights, atol=1e-6)  # its query weights read, not the IDF again
+    refused = python_run([os.path.join(ROOT, "train_biencoder.py"), *map(str, again), "--query-encoder", "splade",
+                          "--overwrite-output-dir"])
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr and "is inference-free" in refused.stderr
 
 
 def test_splade_tiny_loads_whole_its_legacy_layer_norm_names_read_as_trained():
