@@ -131,7 +131,7 @@ def test_sigkill_then_resume_is_bitwise_identical(bi_ref, tiny_model_dir, small_
     assert kept[-2:] == ["step_000006", "step_000008"] and len(kept) == 2  # --keep-last 2
 
 
-@pytest.mark.parametrize("head", ["multi-vector", "sparse", "signals"])
+@pytest.mark.parametrize("head", ["multi-vector", "sparse", "csr", "signals"])
 def test_multi_vector_and_sparse_sigkill_then_resume_is_bitwise_identical(tiny_model_dir, small_train_file, tmp_path,
                                                                           head):
     """--head multi-vector (the token projection rides in the checkpoints) and --head sparse (SPLADE-tiny from
@@ -142,6 +142,7 @@ def test_multi_vector_and_sparse_sigkill_then_resume_is_bitwise_identical(tiny_m
     one-layer student of the base distilled from it)."""
     extra = {"multi-vector": ("--head", head, "--multi-vector-dim", 8),
              "sparse": ("--head", head, "--flops-warmup-steps", 3, "--query-encoder", "static"),
+             "csr": ("--head", head, "--csr-dim", 64, "--csr-k", 4),
              "signals": ("--loss-directions", "q2p,p2q,q2q,p2p", "--false-negative-margin", 0.0, "--guide-model",
                          tiny_model_dir, "--guide-margin-strategy", "relative", "--guide-margin", 0.01,
                          "--teacher-model", tiny_model_dir, "--distill-embeddings", "cosine", "--init-layers", 1)}[head]
@@ -161,6 +162,10 @@ def test_multi_vector_and_sparse_sigkill_then_resume_is_bitwise_identical(tiny_m
         assert torch.equal(dense[0]["linear.weight"], dense[1]["linear.weight"])
     elif head == "sparse":
         assert any(k.startswith("cls.") for k in weights(ref)) and "query" in weights(ref)  # its head, its queries
+    elif head == "csr":  # the auto-encoder, exported apart, its dead-latent counters with it
+        sae = [load_file(os.path.join(d, "final", "2_SparseAutoEncoder", "model.safetensors")) for d in (ref, tmp_path / "run")]
+        assert sae[0].keys() == sae[1].keys() and all(torch.equal(sae[0][k], sae[1][k]) for k in sae[0])
+        assert int(sae[0]["stats_last_nonzero"].max()) > 1  # (the counters moved, and were resumed)
     else:  # the rules left candidates out, and said so each step
         masked = [r["false_negatives_masked"] for r in read_jsonl(ref / "metrics.jsonl") if r["split"] == "train"]
         assert len(masked) == 4 and all(m > 0 for m in masked), masked

@@ -11,6 +11,8 @@ Embedding heads (train_biencoder.py; the step runs `head.embedder(...)`, scored 
     single-vector   single_vector   one pooled (normalized) vector (B, H)       fp32 (N, H)
     multi-vector    multi_vector    projected token vectors + mask (B, W, d+1)  bf16 (N, W, d+1), MaxSim
     sparse          sparse          log(1 + relu(vocabulary logits)), max (B, V) sparse COO (N, V) non-zeros
+    csr             csr             top k of a sparse auto-encoder's latents    sparse COO (N, D) non-zeros
+                                    over the pooled vector (B, D)
 
   NAME, FLAGS       its name; {flag dest: flags.Flag} of the flags only this head takes: their default,
                     name, type and help, whether a resume may change them (cli.add_head_args adds them to
@@ -80,9 +82,9 @@ from .. import dist
 from ..models import decoder_dir
 from ..st_format import (KIT_DEFAULTS, SETTINGS_FILE, DirSpec, bad_field, check_hf_files, check_linear, hidden_size_of,
                          is_cross_encoder, load_settings, resolve_biencoder_settings)
-from . import classifier, lm, multi_vector, single_vector, sparse
+from . import classifier, csr, lm, multi_vector, single_vector, sparse
 
-KINDS = {"embedding": (single_vector, multi_vector, sparse), "reranker": (classifier, lm)}  # the first: the default
+KINDS = {"embedding": (single_vector, multi_vector, sparse, csr), "reranker": (classifier, lm)}  # the first: the default
 DEFAULTS = {  # what a head leaves out reads as this: the defaults of the interface, in one place
     "SETTINGS": {}, "LOAD_FLAGS": (), "RECORD_FIELDS": {}, "RESUME_FIXED": {},
     "lora_trained": lambda model: [],  # nothing trained in full beside LoRA's adapters
@@ -114,7 +116,7 @@ def _fill_defaults(modules):
 _fill_defaults(MODULES.values())
 EMBEDDING = tuple(m.NAME for m in KINDS["embedding"])
 RERANKER = tuple(m.NAME for m in KINDS["reranker"])
-READS = (multi_vector, sparse, single_vector)  # the order a dir is asked whose kind it holds (most specific first)
+READS = (multi_vector, csr, sparse, single_vector)  # the order a dir is asked whose kind it holds (most specific first)
 RECORD_FIELDS = {k: v for m in MODULES.values() for k, v in m.RECORD_FIELDS.items()}
 RESUME_FIXED = {k: v for m in MODULES.values() for k, v in m.RESUME_FIXED.items()}
 LOAD_FLAGS = frozenset(k for m in MODULES.values() for k in m.LOAD_FLAGS)
