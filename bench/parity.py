@@ -13,6 +13,8 @@ Kinds and peers:
   multi-vector      train_biencoder.py --head multi-vector   MultiVectorEncoderTrainer + its MNRL (MaxSim, scale 1)
   sparse            train_biencoder.py --head sparse         SparseEncoderTrainer + SpladeLoss(SparseMNRL) with
                                                              the FLOPS weights warmed up over a third of the steps
+  csr               train_biencoder.py --head csr --csr-k 192   SparseEncoderTrainer + CSRLoss(SparseMNRL): MiniLM,
+                                                             mean pooling, SparseAutoEncoder 4 x 384, k 192
   classifier        train_reranker.py                CrossEncoderTrainer + MNRL over each query's group only
                                                      (its in-batch sampling left out, scale 1, no activation: a
                                                      softmax over the positive and its hard negatives, the kit's
@@ -69,6 +71,8 @@ KINDS = {  # kind -> its settings (both sides); "base": which model, built by pr
     "sparse": dict(script="train_biencoder.py", base="minilm-mlm", n=2, batch=32, steps=60, lr=5e-5, warmup=6,
                    length=128, temperature=1.0, flops=(5e-5, 3e-5),
                    args=["--head", "sparse", "--flops-weights", "5e-5,3e-5"]),
+    "csr": dict(script="train_biencoder.py", base="minilm", n=2, batch=32, steps=60, lr=5e-5, warmup=6, length=128,
+                temperature=1.0, k=192, args=["--head", "csr"]),  # k 192: 8 bytes each, one fp32 MiniLM vector
     "classifier": dict(script="train_reranker.py", base="minilm-cls", n=4, batch=8, steps=60, lr=2e-4, warmup=6,
                        length=256, args=[]),
     "lm": dict(script="train_reranker.py", base="smollm2", n=4, batch=2, steps=20, lr=2e-4, warmup=2, length=192,
@@ -84,6 +88,9 @@ UNEQUAL = {  # what the two sides cannot share
     "multi-vector": ["duplicate masking off in the kit; the projection drawn by each side (the same shape and init "
                      "scheme, other numbers)"],
     "sparse": ["duplicate masking off in the kit"],
+    "csr": ["duplicate masking off in the kit; the auto-encoder drawn by each side (the same shape and init scheme, "
+            "other numbers); dead-latent counters step per forward on both, three a step there (query, positive, "
+            "negative columns), two here (queries, passages)"],
     "classifier": [],
     "lm": ["the LoRA adapters drawn by each side (peft's init scheme on both)"],
     "decoder-embedder": ["the LoRA adapters drawn by each side (peft's init scheme on both)",
@@ -181,6 +188,8 @@ def kit_side(kind, cfg, base, train, out, seed, compute):
                  "--temperature", str(cfg["temperature"]), "--no-mask-duplicates"]
         if kind == "sparse":
             argv += ["--flops-warmup-steps", str(cfg["steps"] // 3)]
+        if kind == "csr":
+            argv += ["--csr-k", str(cfg["k"])]
     else:
         argv += ["--rerank-max-length", str(cfg["length"]), "--loss", "listwise"]
         if kind == "lm":
@@ -266,6 +275,21 @@ def build_peer(kind, cfg, base, rows):
                           query_regularizer_weight=cfg["flops"][0], document_regularizer_weight=cfg["flops"][1])
         return (model, SparseEncoderTrainer, SparseEncoderTrainingArguments, loss,
                 [SpladeRegularizerWeightSchedulerCallback(loss, warmup_ratio=1 / 3)])
+    if kind == "csr":
+        from sentence_transformers import SparseEncoder
+        from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+        from sentence_transformers.sparse_encoder.losses import CSRLoss, SparseMultipleNegativesRankingLoss
+        from sentence_transformers.sparse_encoder.modules import SparseAutoEncoder
+        from sentence_transformers.sparse_encoder.trainer import SparseEncoderTrainer
+        from sentence_transformers.sparse_encoder.training_args import SparseEncoderTrainingArguments
+
+        backbone = Transformer(base, max_seq_length=cfg["length"])
+        dim = backbone.get_word_embedding_dimension()
+        model = SparseEncoder(modules=[backbone, Pooling(dim, "mean"), SparseAutoEncoder(dim, 4 * dim, k=cfg["k"],
+                                                                                 k_aux=min(512, 4 * dim))],
+                              device="cpu")
+        loss = CSRLoss(model, SparseMultipleNegativesRankingLoss(model, scale=1.0 / cfg["temperature"]), beta=0.1)
+        return model, SparseEncoderTrainer, SparseEncoderTrainingArguments, loss, []
     from sentence_transformers.cross_encoder import CrossEncoder, CrossEncoderTrainer
     from sentence_transformers.cross_encoder.losses import MultipleNegativesRankingLoss
     from sentence_transformers.cross_encoder.training_args import CrossEncoderTrainingArguments
@@ -575,7 +599,7 @@ def smoke(a, kinds):
     models = {"minilm": a.tiny_encoder, "minilm-mlm": a.tiny_encoder, "minilm-cls": a.tiny_encoder,
               "smollm2": a.tiny_decoder, "train_file": a.train_file}
     for kind in kinds:
-        cfg = settings(a, kind, {"steps": 1, "batch": 2, "warmup": 0, "length": 32})
+        cfg = settings(a, kind, {"steps": 1, "batch": 2, "warmup": 0, "length": 32, "k": 8})
         if kind == "lm":  # (the tiny decoder's vocabulary; Qwen3's template alone is 102 tokens)
             cfg.update(lm_tokens="data,tool", length=128)
         base, train = prepare(a.work, kind, cfg, 0, models)
