@@ -115,8 +115,7 @@ def load(path, dtype=torch.float32, *, spec=None, meta=False, seed=0, csr_dim=No
             sae.encoder.weight.uniform_(-bound, bound, generator=torch.Generator().manual_seed(seed))
     if not own:  # (merge: a fresh auto-encoder is the tuned model's alone, never averaged with its start)
         model.fresh_keys = [*getattr(model, "fresh_keys", []), *(PREFIX + k for k in sae.state_dict())]
-    model.csr = sae.to(next(model.parameters()).dtype)
-    model.csr.stats_last_nonzero = model.csr.stats_last_nonzero.long()
+    model.csr = sae.to(next(model.parameters()).dtype)  # (the counters stay integers)
     return model
 
 
@@ -255,9 +254,7 @@ def write_export(stage, model, settings, head_weights, out_dir):
     modules.append({"idx": 2, "name": "2", "path": folder, "type": MODULE})
     write_json_files(stage, {
         "modules.json": modules, os.path.join(folder, "config.json"): model.csr.config(),
-        "config_sentence_transformers.json": {
-            "model_type": "SparseEncoder", "similarity_fn_name": "dot", "default_prompt_name": None,
-            "prompts": {"query": settings["query_prefix"], "document": settings["passage_prefix"]}}})
+        "config_sentence_transformers.json": sparse.encoder_config(settings)})
     for w in warnings:
         print(f"warning: {out_dir}: {w}", flush=True)
     return {"files": True, "warnings": warnings}

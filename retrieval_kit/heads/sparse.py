@@ -609,9 +609,7 @@ def write_router_files(out_dir, settings, query_weights, added):
             "transformer_task": "fill-mask",
             "modality_config": {"text": {"method": "forward", "method_output_name": "logits"}},
             "module_output_name": "token_embeddings", "max_seq_length": length},
-        os.path.join(POOLING_DIR, "config.json"): {
-            "pooling_strategy": "max", "activation_function": settings.get("splade_activation") or "relu",
-            "embedding_dimension": None},
+        os.path.join(POOLING_DIR, "config.json"): pooling_config(settings),
         os.path.join(QUERY_DIR, "config.json"): {"frozen": False},
         "router_config.json": {
             "types": {QUERY_DIR: STATIC, DOCUMENT_DIR: "sentence_transformers.base.modules.transformer.Transformer",
@@ -619,9 +617,7 @@ def write_router_files(out_dir, settings, query_weights, added):
             "structure": {"query": [QUERY_DIR], "document": [DOCUMENT_DIR, POOLING_DIR]},
             "parameters": {"default_route": "document", "allow_empty_key": True, "route_mappings": {}}},
         "modules.json": [{"idx": 0, "name": "0", "path": "", "type": ROUTER}],
-        "config_sentence_transformers.json": {
-            "model_type": "SparseEncoder", "similarity_fn_name": "dot", "default_prompt_name": None,
-            "prompts": {"query": settings["query_prefix"], "document": settings["passage_prefix"]}}}
+        "config_sentence_transformers.json": encoder_config(settings)}
     write_json_files(out_dir, files)
     edit_json(os.path.join(query, "tokenizer_config.json"), lambda c: c.update(model_max_length=length - added))
 
@@ -640,10 +636,18 @@ def write_files(out_dir, settings):
                  "modality_config": {"text": {"method": "forward", "method_output_name": "logits"}},
                  "module_output_name": "token_embeddings", "max_seq_length": settings["passage_max_length"],
                  "query_length": settings["query_max_length"], "document_length": settings["passage_max_length"]},
-             os.path.join("1_SpladePooling", "config.json"): {
-                 "pooling_strategy": "max", "activation_function": settings.get("splade_activation") or "relu",
-                 "embedding_dimension": None},
-             "config_sentence_transformers.json": {
-                 "model_type": "SparseEncoder", "similarity_fn_name": "dot", "default_prompt_name": None,
-                 "prompts": {"query": settings["query_prefix"], "document": settings["passage_prefix"]}}}
+             os.path.join("1_SpladePooling", "config.json"): pooling_config(settings),
+             "config_sentence_transformers.json": encoder_config(settings)}
     write_json_files(out_dir, files)
+
+
+def pooling_config(settings):
+    """SpladePooling's config.json: max pooling of the run's activation."""
+    return {"pooling_strategy": "max", "activation_function": settings.get("splade_activation") or "relu",
+            "embedding_dimension": None}
+
+
+def encoder_config(settings):
+    """config_sentence_transformers.json of a SparseEncoder export: dot-product similarity, the prefixes as prompts."""
+    return {"model_type": "SparseEncoder", "similarity_fn_name": "dot", "default_prompt_name": None,
+            "prompts": {"query": settings["query_prefix"], "document": settings["passage_prefix"]}}
