@@ -85,9 +85,12 @@ def load_guide(model_dir, tokenizer, dtype=torch.float32, trust_remote_code=Fals
                          "a model of the same tokenizer (e.g. the base model)")
     size = head.embedding_size(model.encoder)
     if like is not None and (head is not like[0] or size != like[1]):
+        project = head is like[0] and "dense_dim" in head.FLAGS  # (a Dense to its size can be trained)
         raise SystemExit(f"{flag} {model_dir}: a {head.NAME} model of {size} dimensions, the trained one a "
-                         f"{like[0].NAME} of {like[1]}: its embeddings are not the model's to regress (no projection is "
-                         "built); give a teacher of the same kind and size")
+                         f"{like[0].NAME} of {like[1]}: its embeddings are not the model's to regress; " +
+                         (f"pass --dense-dim {size} (a Dense projection to its size, trained with the model and "
+                          "exported), or give a teacher of the same size" if project else
+                          "give a teacher of the same kind and size"))
     for p in model.parameters():
         p.requires_grad_(False)
     return model, head

@@ -139,13 +139,14 @@ def test_multi_vector_and_sparse_sigkill_then_resume_is_bitwise_identical(tiny_m
     from the loop state), with GradCache's cached gradients replayed:
     killed after step 2, resumed, the same weights and losses as a run in one go. "signals": the training
     signals of issue 64 together (every loss direction, the Qwen3 rule, a frozen guide: the base itself; a
-    one-layer student of the base distilled from it)."""
+    one-layer student of the base distilled from it through a fresh Dense, --dense-dim)."""
     extra = {"multi-vector": ("--head", head, "--multi-vector-dim", 8),
              "sparse": ("--head", head, "--flops-warmup-steps", 3, "--query-encoder", "static"),
              "csr": ("--head", head, "--csr-dim", 64, "--csr-k", 4),
              "signals": ("--loss-directions", "q2p,p2q,q2q,p2p", "--false-negative-margin", 0.0, "--guide-model",
                          tiny_model_dir, "--guide-margin-strategy", "relative", "--guide-margin", 0.01,
-                         "--teacher-model", tiny_model_dir, "--distill-embeddings", "cosine", "--init-layers", 1)}[head]
+                         "--teacher-model", tiny_model_dir, "--distill-embeddings", "cosine", "--init-layers", 1,
+                         "--dense-dim", 32)}[head]
     extra += ("--grad-cache", "--chunk-tokens", 64)
     # sparse: a real SPLADE (SPLADE-tiny) in the layout published ones have (MLMTransformer, log1p_relu)
     model = save_published_splade(tmp_path / "splade", "log1p_relu") if head == "sparse" else tiny_model_dir

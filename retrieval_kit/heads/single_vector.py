@@ -30,19 +30,30 @@ FLAGS = {  # its flags (cli.py adds them to the bi-encoder script's parser; cli.
     "matryoshka_weights": Flag(
         None, "--matryoshka-weights", group="loss", type=listed(positive_float),
         help="one weight per --matryoshka-dims value (default 1 each)"),
+    "dense_dim": Flag(
+        None, "--dense-dim", type=positive_int,
+        help="a fresh Dense projection (linear, with bias) of the pooled vector to this size, trained with the "
+             "model and exported as sentence-transformers' Dense - e.g. a student's embeddings made its "
+             "--teacher-model's size, as sentence-transformers' distillation example does (default: none; a dir's "
+             "own Dense fixes it)"),
 }
+LOAD_FLAGS = ("dense_dim",)  # the flags load() takes (heads.load_args)
+RESUME_FIXED = {"dense_dim": "the Dense projection has that many rows: start a new run (another --output-dir) for "
+                             "another size"}
+IDENTITY = "torch.nn.modules.linear.Identity"
 PREFIX = "st_dense."  # the Dense module's keys in the model's state dict
 
 
 # ----- the model ---------------------------------------------------------------------------------
 
-def load(path, dtype=torch.float32, *, spec=None, meta=False, seed=0, **load_kw):
+def load(path, dtype=torch.float32, *, spec=None, meta=False, seed=0, dense_dim=None, **load_kw):
     """The encoder (models.load_encoder) with the dir's sentence-transformers Dense after the pooling,
-    if its spec has one (read_dense), as `model.st_dense` with its weights."""
+    if its spec has one (read_dense), as `model.st_dense` with its weights; else with `dense_dim` (--dense-dim)
+    a fresh one to that size (fresh_dense)."""
     model = load_encoder(path, dtype, meta=meta, **load_kw)
     dense = spec.own.get("dense") if spec is not None else None
     if dense is None:
-        return model
+        return fresh_dense(model, dense_dim, seed, meta) if dense_dim else model
     args = [dense[k] for k in ("in_features", "out_features", "bias", "activation_function")]
     if meta:
         with torch.device("meta"):
@@ -52,6 +63,35 @@ def load(path, dtype=torch.float32, *, spec=None, meta=False, seed=0, **load_kw)
         module.load_state_dict(dense_weights(dense["path"]))
     model.st_dense = module.to(dtype) if dtype is not None else module
     return model
+
+
+def fresh_dense(model, size, seed, meta=False):
+    """A fresh Dense (no activation) from the hidden size to `size` on `model`, its weight and bias drawn as
+    torch's nn.Linear init from a generator seeded by `seed` (the same on every rank and world size); said
+    fresh (merge leaves it out of the average) and trained in full under LoRA."""
+    hidden = model.config.hidden_size
+    with torch.device("meta" if meta else "cpu"):
+        module = STDense(hidden, size, bias=True, activation_function=IDENTITY)
+    if not meta:
+        bound, gen = 1.0 / hidden ** 0.5, torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            module.linear.weight.uniform_(-bound, bound, generator=gen)
+            module.linear.bias.uniform_(-bound, bound, generator=gen)
+    model.st_dense = module.to(next(model.parameters()).dtype)
+    model.fresh_keys = [*getattr(model, "fresh_keys", []), *(PREFIX + k for k in module.state_dict())]
+    model.st_dense_fresh = True
+    return model
+
+
+def lora_trained(model):
+    """A fresh Dense (--dense-dim) is trained in full beside LoRA's adapters; a dir's own is not."""
+    return list(model.st_dense.parameters()) if getattr(model, "st_dense_fresh", False) else []
+
+
+def dir_flags(spec):
+    """A dir's own Dense fixes --dense-dim at its size (cli.head_flags refuses another)."""
+    dense = spec.own.get("dense")
+    return {"dense_dim": dense["out_features"]} if dense is not None else {}
 
 
 def dense_weights(folder):
