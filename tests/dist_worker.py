@@ -28,7 +28,7 @@ from retrieval_kit.chunking import chunk_batch  # noqa: E402
 from retrieval_kit.collate import collate_biencoder, collate_rerank  # noqa: E402
 from retrieval_kit.heads.multi_vector import maxsim_sides  # noqa: E402
 from retrieval_kit.ema import EMA  # noqa: E402
-from retrieval_kit.heads import classifier, multi_vector, single_vector, sparse  # noqa: E402
+from retrieval_kit.heads import classifier, csr, multi_vector, single_vector, sparse  # noqa: E402
 from retrieval_kit.heads.single_vector import BiEncoder  # noqa: E402
 from retrieval_kit.losses import contrastive_loss, listwise_loss  # noqa: E402
 from retrieval_kit.models import load_encoder  # noqa: E402
@@ -334,6 +334,16 @@ def main():
     compare("sparse_ddp_vs_single", run_bi(ctx, sp0, tok, steps, "ddp"), ref_sp)
     compare("sparse_fsdp2_vs_single", run_bi(ctx, sp0, tok, steps, "fsdp2"), ref_sp)
     compare("sparse_ddp_grad_cache", run_bi(ctx, sp0, tok, steps, "ddp", grad_cache=24), ref_sp)
+    REG.clear()
+    # --head csr: the training layout (latents, then reconstruction terms) gathered with its gradients, CSRLoss's
+    # reconstruction over the global batch (no latent dead yet in these few steps: the counters are per rank)
+    HEAD[0] = csr
+    REG.append(csr.Reconstruction(0.1, N))
+    csr0 = csr.load(model_dir, csr_dim=64, csr_k=8).eval()
+    ref_csr = reference_bi(csr0, tok, steps, 1.0)
+    compare("csr_ddp_vs_single", run_bi(ctx, csr0, tok, steps, "ddp"), ref_csr)
+    compare("csr_fsdp2_vs_single", run_bi(ctx, csr0, tok, steps, "fsdp2"), ref_csr)
+    compare("csr_ddp_grad_cache", run_bi(ctx, csr0, tok, steps, "ddp", grad_cache=24), ref_csr)
     HEAD[0] = single_vector
     REG.clear()
 

@@ -42,6 +42,7 @@ EXACT = ["ddp_vs_single", "fsdp2_vs_single", "fsdp2_no_reshard_vs_single", "ddp_
          "multi_vector_ddp_vs_single", "multi_vector_fsdp2_vs_single", "multi_vector_ddp_grad_cache",
          "colbert_ddp_vs_single", "colbert_ddp_grad_cache",
          "sparse_ddp_vs_single", "sparse_fsdp2_vs_single", "sparse_ddp_grad_cache",
+         "csr_ddp_vs_single", "csr_fsdp2_vs_single", "csr_ddp_grad_cache",
          "signals_ddp_vs_single", "signals_fsdp2_grad_cache", "guide_relative_ddp_vs_single",
          "guide_relative_ddp_grad_cache", "guide_absolute_ddp_vs_single", "guide_absolute_ddp_grad_cache",
          "teacher_ddp_vs_single", "teacher_fsdp2_grad_cache"]
