@@ -22,6 +22,29 @@ TOL = 1e-5  # fp32; observed: losses within 1.3e-6, weights within 2e-7, grads w
 
 @pytest.fixture(scope="module")
 def results(tiny_model_dir, tmp_path_factory):
+    """dist_worker.py's checks, run once a test session: under pytest-xdist the workers share them (once_a_session)."""
+    return once_a_session(tmp_path_factory, "dist_results.json", lambda: run_checks(tiny_model_dir, tmp_path_factory))
+
+
+def once_a_session(tmp_path_factory, name, compute):
+    """compute() once for every pytest-xdist worker of this session: the first to ask computes it under a lock on a
+    file in the session's shared folder and writes it there as JSON; the others wait for the lock, then read it.
+    Without xdist: compute()."""
+    import fcntl
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return compute()
+    path = tmp_path_factory.getbasetemp().parent / name  # (the session's folder above each worker's own)
+    with open(str(path) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            value = compute()
+            path.with_suffix(".partial").write_text(json.dumps(value))
+            path.with_suffix(".partial").rename(path)
+        return json.loads(path.read_text())
+
+
+def run_checks(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     run = run_watched([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
