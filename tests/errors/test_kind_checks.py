@@ -16,7 +16,7 @@ from retrieval_kit import cli, heads
 from tests.conftest import ROOT, python_run, read_jsonl, run_script
 
 # a valid value for each head's own flags (what the start-up fuzz runs to the first step)
-OWN = {"single-vector": [["--pooling", "cls"], ["--no-normalize"], ["--matryoshka-dims", "16,8"]],
+OWN = {"single-vector": [["--pooling", "cls"], ["--no-normalize"], ["--matryoshka-dims", "16,8"], ["--dense-dim", "16"]],
        "multi-vector": [["--multi-vector-dim", "8"], ["--query-expansion", "on"], ["--skiplist", "punctuation"]],
        "sparse": [["--flops-weights", "1e-4,1e-4"], ["--flops-warmup-steps", "1"], ["--lexical-head-bias", "-4"],
                   ["--query-encoder", "static"]],
@@ -24,6 +24,7 @@ OWN = {"single-vector": [["--pooling", "cls"], ["--no-normalize"], ["--matryoshk
        "classifier": [["--pooling", "avg"], ["--head-lr-mult", "2"]],
        "lm": [["--lm-tokens", "data,tool"], ["--lm-tokens", "data,tool", "--export-seq-cls"]]}
 FLAG_OF = {"pooling": "--pooling", "normalize": "--no-normalize", "matryoshka_dims": "--matryoshka-dims",
+           "dense_dim": "--dense-dim",
            "multi_vector_dim": "--multi-vector-dim", "query_expansion": "--query-expansion", "skiplist": "--skiplist",
            "flops_weights": "--flops-weights", "flops_warmup_steps": "--flops-warmup-steps",
            "lexical_head_bias": "--lexical-head-bias", "query_encoder": "--query-encoder",
