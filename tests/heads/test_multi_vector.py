@@ -22,15 +22,14 @@ def token_batch(rows, width, dim, gen, lengths=None):
 
 
 def naive_maxsim(q, p):
-    """MaxSim by loops over tokens: for each real query token, the best dot product with a real passage token."""
+    """MaxSim pair by pair, in float64: for each real query token, the best dot product with a real passage
+    token (the pair's token similarities whole, no blocks, no padding kept), summed over the query's tokens."""
     out = torch.zeros(q.shape[0], p.shape[0], dtype=torch.float64)
     for i in range(q.shape[0]):
+        qi = q[i][q[i, :, -1] != 0, :-1].double()
         for j in range(p.shape[0]):
-            for a in range(q.shape[1]):
-                if q[i, a, -1] == 0:
-                    continue
-                out[i, j] += max(float(q[i, a, :-1].double() @ p[j, b, :-1].double())
-                                 for b in range(p.shape[1]) if p[j, b, -1] == 1)
+            pj = p[j][p[j, :, -1] == 1, :-1].double()
+            out[i, j] = (qi @ pj.T).max(dim=1).values.sum()
     return out
 
 
