@@ -12,8 +12,8 @@ checkpoints and final/ (an exported model dir).
 import functools
 import os
 
-from retrieval_kit import (ckpt, cli, data, dist, dropout, evaluate, heads, log, loop, lora, merge, optim, plan, precision,
-                           records, rundir)
+from retrieval_kit import (ckpt, cli, data, dist, dropout, embed, evaluate, heads, log, loop, lora, merge, optim, plan,
+                           precision, records, rundir)
 from retrieval_kit.collate import biencoder_inputs
 from retrieval_kit.ema import EMA
 from retrieval_kit.export import export_model, model_card
@@ -86,8 +86,9 @@ def main():
                                trust_remote_code=args.trust_remote_code, device=ctx.device,
                                compute_dtype=autocast_dtype)  # frozen embedders, or None
     guide = frozen(args.guide_model)  # --guide-model
-    teacher = frozen(args.teacher_model, flag="--teacher-model",
-                     like=(head, head.embedding_size(encoder)))  # --teacher-model
+    like = (head, head.embedding_size(encoder))  # a teacher's kind and size: the model's
+    teacher = frozen(args.teacher_model, flag="--teacher-model", like=like) or \
+        embed.teacher_file(args.teacher_embeddings, like, files)  # --teacher-model, -embeddings
     dims = matryoshka_plan(args.matryoshka_dims, args.matryoshka_weights,
                            head.embedding_size(encoder))
     lora_info = lora.apply_each((encoder, source), train=head.lora_trained,

@@ -229,6 +229,11 @@ def add_biencoder_loss_args(g):
          help="embedding distillation: a frozen bi-encoder of the same kind, size and tokenizer embeds each batch "
               "without gradients, and the model's query and passage embeddings regress its own "
               "(--distill-embeddings), added to the contrastive loss x --embedding-distill-weight (default none)")
+    flag(g, "--teacher-embeddings", default=None,
+         help="embedding distillation from a file instead of a model: every training query's and passage's vector "
+              "as `python -m retrieval_kit.embed` writes it (a teacher too large to run beside the model, or of "
+              "another tokenizer), read by each text's key; --distill-embeddings and its weight as with "
+              "--teacher-model (default none)")
     flag(g, "--distill-embeddings", choices=("mse", "cosine"), default="mse",
          help="--teacher-model: mse = the mean squared error over every number (sentence-transformers' MSELoss); "
               "cosine = the mean of 1 - cosine over the texts (default mse)")
@@ -421,8 +426,10 @@ def loss_summary(args, gather=None, dims=None):
                                         ("loss partition", args.loss_partition),
                                         ("false-negative margin", args.false_negative_margin),
                                         ("guide model", args.guide_model), ("init layers", args.init_layers),
-                                        ("teacher model", args.teacher_model)) if v not in ("q2p", "joint", None)})
-        if args.teacher_model:
+                                        ("teacher model", args.teacher_model),
+                                        ("teacher embeddings", args.teacher_embeddings))
+                      if v not in ("q2p", "joint", None)})
+        if args.teacher_model or args.teacher_embeddings:
             extra["embedding distillation"] = f"{args.distill_embeddings} x {args.embedding_distill_weight:g}"
         if args.guide_model:
             extra["guide margin"] = f"{args.guide_margin:g} ({args.guide_margin_strategy})"
@@ -756,9 +763,13 @@ def parse(parser, argv=None):
     for name, needs in (("guide_margin_strategy", "guide_model"), ("guide_margin", "guide_model"),
                         ("distill_embeddings", "teacher_model"), ("embedding_distill_weight", "teacher_model")):
         default = parser.get_default(name) if name in vars(args) else None
-        if getattr(args, name, None) != default and not getattr(args, needs):
+        given = getattr(args, needs, None) or (needs == "teacher_model" and getattr(args, "teacher_embeddings", None))
+        if getattr(args, name, None) != default and not given:
             raise SystemExit(f"--{name.replace('_', '-')}: only with --{needs.replace('_', '-')} (no "
                              f"{needs.split('_')[0]} embeds the batch)")
+    if getattr(args, "teacher_embeddings", None) and getattr(args, "teacher_model", None):
+        raise SystemExit("--teacher-embeddings with --teacher-model: the teacher's vectors come from one of them; "
+                         "drop the other")
     if (getattr(args, "flops_warmup_steps", None) or 0) > args.max_steps and os.environ.get("RANK", "0") == "0":
         print(f"warning: --flops-warmup-steps {args.flops_warmup_steps} > --max-steps {args.max_steps}: the FLOPS "
               f"weights never reach --flops-weights (they stop at {(args.max_steps / args.flops_warmup_steps) ** 2:.3g} "

@@ -113,13 +113,14 @@ def biencoder_inputs(queries, groups, *, tokenizer, query_max_length, passage_ma
     """One bi-encoder micro-batch as BiEncoder takes it: {"q": Chunked, "p": Chunked}, each cut into
     length chunks of at most `chunk_tokens` padded tokens (chunking.chunk_batch), of widths rounded
     to `pad_to_multiple_of`; `same_chunk_count`: as many chunks on every rank (FSDP2). Also
-    "p_keys", each passage's text_keys, for the loss's duplicate masking (not a model input). `sides`:
+    "p_keys", each passage's text_keys, for the loss's duplicate masking, and "q_keys", each query's, for a
+    teacher file's lookup (embed.TeacherFile; neither a model input). `sides`:
     {"q", "p"}: how the head tokenizes each side (head.sides), or None."""
     q, p = collate_biencoder(tokenizer, queries, groups, query_max_length, passage_max_length, query_prefix,
                              passage_prefix, pad_to_multiple_of, sides)
     return {"q": chunk_batch(q, chunk_tokens, pad_to_multiple_of, query_max_length if same_chunk_count else None),
             "p": chunk_batch(p, chunk_tokens, pad_to_multiple_of, passage_max_length if same_chunk_count else None),
-            "p_keys": text_keys([t for g in groups for t in g])}
+            "p_keys": text_keys([t for g in groups for t in g]), "q_keys": text_keys(queries)}
 
 
 def rerank_inputs(queries, groups, *, tokenizer, layout, max_length, pad_to_multiple_of=None, chunk_tokens=0,

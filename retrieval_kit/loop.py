@@ -72,10 +72,16 @@ def split_batch(batch):
 def with_guide(inputs, guide, teacher=None):
     """--guide-model, --teacher-model: `inputs` with each frozen model's {"q", "p"} embeddings of the same
     batch (computed without a graph, length chunk by chunk) as the loss's targets "guide" and
-    "teacher_embeddings" (losses.biencoder_loss); `inputs` as they are without either (None)."""
+    "teacher_embeddings" (losses.biencoder_loss); `inputs` as they are without either (None). A teacher
+    file (--teacher-embeddings: embed.TeacherFile) looks the batch's texts up by their keys instead."""
     frozen = {k: m for k, m in (("guide", guide), ("teacher_embeddings", teacher)) if m is not None}
+
+    def run(m):
+        if getattr(m, "by_keys", False):
+            return m(q_keys=inputs["q_keys"], p_keys=inputs["p_keys"])
+        return m(q=inputs["q"], p=inputs["p"])
     with torch.no_grad():
-        return {**inputs, **{k: m(q=inputs["q"], p=inputs["p"]) for k, m in frozen.items()}}
+        return {**inputs, **{k: run(m) for k, m in frozen.items()}}
 
 
 # ----- forward + backward of one micro-batch (chosen once, before the loop) -------------------

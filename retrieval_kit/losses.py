@@ -311,7 +311,7 @@ def biencoder_loss(out, *, n_passages, temperature=0.05, in_batch=True, gather=N
                    distill_weight=0.0, teacher_temperature=1.0, teacher=None, p_keys=None, regularizer=None,
                    distill=distill_kl, directions=("q2p",), joint=True, false_negative_margin=None, guide=None,
                    guide_scores=None, guide_margin=0.0, guide_relative=False, teacher_embeddings=None,
-                   embedding_weight=1.0, embedding_metric="mse"):
+                   embedding_weight=1.0, embedding_metric="mse", q_keys=None):
     """The bi-encoder's step loss: `contrastive` (InfoNCE, or matryoshka(contrastive_loss, ...)) over the
     head's `scores` of this rank's queries against its passages - every rank's when the caller passes
     the gathers (`gather_with_grad`, keeping the graph, and `gather`, without: dist's; then pass
@@ -324,7 +324,8 @@ def biencoder_loss(out, *, n_passages, temperature=0.05, in_batch=True, gather=N
     terms of contrastive_loss (the queries and positives of every rank when gathered); the false
     negatives by score left out of every term (false_negative_masks: `false_negative_margin`, the
     model's own scores; `guide`, a frozen guide's embeddings of the batch); plus embedding_weight x
-    embedding_distill toward a frozen teacher's embeddings of the batch (`teacher_embeddings`).
+    embedding_distill toward a frozen teacher's embeddings of the batch (`teacher_embeddings`; `q_keys`, the
+    queries' text keys, served its lookup in a teacher file: loop.with_guide).
     Returns (loss, each query's top-1 accuracy (ties count against the positive),
     {"duplicates_masked": candidates left out, "false_negatives_masked" when a rule is on, and the
     regularizer's counts})."""
