@@ -104,6 +104,8 @@ def load(path, dtype=torch.float32, *, spec=None, meta=False, seed=0, csr_dim=No
     hidden = model.config.hidden_size
     config = own["config"] if own else {}
     dim = config.get("hidden_dim") or csr_dim or 4 * hidden
+    if (csr_k or 0) > dim:
+        raise SystemExit(f"--csr-k {csr_k}: more than the auto-encoder's {dim} latents (--csr-dim); give at most {dim}")
     with torch.device("meta" if meta else "cpu"):
         sae = SparseAutoEncoderCSR(hidden, dim, csr_k or config.get("k", K), config.get("k_aux", K_AUX),
                                    config.get("dead_threshold", DEAD_AFTER))

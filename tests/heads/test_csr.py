@@ -131,7 +131,8 @@ def test_a_csr_from_minilm_exports_as_sparse_encoder_reads_back_evaluates_and_mi
 
 
 def test_a_csr_dir_of_another_layout_is_one_sentence(tmp_path, tiny_model_dir):
-    """A SparseAutoEncoder after a Normalize, or with its input layer-normed, is refused naming the file."""
+    """A SparseAutoEncoder after a Normalize, or with its input layer-normed, is refused naming the file; more
+    latents kept than there are, naming the flag."""
     d = tmp_path / "csr"
     os.makedirs(d / "2_SparseAutoEncoder")
     mods = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -146,3 +147,5 @@ def test_a_csr_dir_of_another_layout_is_one_sentence(tmp_path, tiny_model_dir):
                                                                       "normalize": True}))
     with pytest.raises(SystemExit, match=r"2_SparseAutoEncoder/config.json: a SparseAutoEncoder with normalize true"):
         csr.read_dir(str(d))
+    with pytest.raises(SystemExit, match=r"--csr-k 100: more than the auto-encoder's 64 latents \(--csr-dim\)"):
+        csr.load(tiny_model_dir, csr_dim=64, csr_k=100)
