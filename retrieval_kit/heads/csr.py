@@ -68,7 +68,7 @@ class SparseAutoEncoderCSR(torch.nn.Module):
                 "k_aux": self.k_aux, "normalize": False, "dead_threshold": self.dead_after}
 
     def top(self, z, k, count):
-        """relu of the top k of `z` in place, zeros elsewhere; `count`: the kept latents reset their counters."""
+        """relu of the top k of `z` where they are, zeros elsewhere; `count`: the kept latents reset their counters."""
         top = z.topk(k, dim=-1)
         if count:
             fired = torch.zeros_like(self.stats_last_nonzero)
