@@ -114,18 +114,17 @@ class TeacherFile:
                                  "from the same training files with python -m retrieval_kit.embed")
         return self
 
-    def found(self, side, keys):
+    def rows(self, side, keys):
+        """The file's row of each key (its nearest where absent: check the keys with found)."""
         table = self.sides[side][0]
-        at = torch.searchsorted(table, keys).clamp(max=len(table) - 1)
-        return table[at] == keys
+        return torch.searchsorted(table, keys.cpu()).clamp(max=len(table) - 1)
+
+    def found(self, side, keys):
+        return self.sides[side][0][self.rows(side, keys)] == keys
 
     def __call__(self, q_keys, p_keys, **_):
-        out = {}
-        for name, side, keys in (("q", "query", q_keys), ("p", "passage", p_keys)):
-            table, vectors = self.sides[side]
-            at = torch.searchsorted(table, keys.cpu()).clamp(max=len(table) - 1)
-            out[name] = vectors[at].to(keys.device)
-        return out
+        return {name: self.sides[side][1][self.rows(side, keys)].to(keys.device)
+                for name, side, keys in (("q", "query", q_keys), ("p", "passage", p_keys))}
 
 
 def teacher_file(path, like, files):
@@ -140,4 +139,6 @@ def teacher_file(path, like, files):
 
 
 if __name__ == "__main__":
-    main()
+    from .rundir import exit_on_data_error
+
+    exit_on_data_error(main)

@@ -1,7 +1,7 @@
 """python -m retrieval_kit.embed and --teacher-embeddings (issue 64, item 4): a teacher's vectors written once,
 each the teacher's own embedding of its text (one text a batch: no padding, the reference); a run distilled
 from the file logs the losses of the same run distilled from the teacher model itself; a file that lacks a
-training text, or belongs to a teacher of another size, is one sentence."""
+training text, or belongs to a teacher of another size, and a missing input file, are one sentence."""
 
 import os
 
@@ -65,6 +65,8 @@ def test_a_file_missing_a_text_or_of_another_size_is_one_sentence(teacher_file, 
     run_module(["-m", "retrieval_kit.embed", "--model", tiny_model_dir, "--input", five, "--out", part, *LENGTHS])
     common = [os.path.join(ROOT, "train_biencoder.py"), "--model", tiny_model_dir, "--train-file", small_train_file,
               "--val-file", "", "--max-steps", 1, *LENGTHS]
+    out = python_run(["-m", "retrieval_kit.embed", "--input", tmp_path / "none.jsonl", "--out", tmp_path / "x"])
+    assert out.returncode == 1 and "none.jsonl: cannot open" in out.stderr and "Traceback" not in out.stderr
     out = python_run([*common, "--teacher-embeddings", part, "--output-dir", tmp_path / "a"])
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert f"--teacher-embeddings {part}: " in out.stderr and "query texts have no vector there" in out.stderr
